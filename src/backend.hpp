@@ -1,0 +1,56 @@
+// The interface between the training loop and a compute backend. A backend owns one model's parameters
+// (fp32 master copy plus whatever working precision it computes in), gradients and AdamW state on one
+// device, and runs the pieces of a training step. The CPU reference backend is the spec; the GPU
+// backends (unfused: cuBLASLt + one kernel per operation; coda: GEMM-epilogue programs) must match it
+// within bf16 tolerances.
+//
+// All host-side buffers exchanged here are flat fp32 arrays in ParamLayout order (model.hpp), so the
+// checkpoint code and the tests never see a backend's internal precision or placement.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "model.hpp"
+
+namespace coda {
+
+struct AdamWHyper {
+  float lr = 0.0f;
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;  // decoupled; applied only to tensors with ParamTensor::weight_decay
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // Parameters, gradients and optimizer moments in and out, as flat fp32 host arrays of layout.total.
+  virtual void load_params(const float* params) = 0;
+  virtual void read_params(float* params) = 0;
+  virtual void load_optimizer_state(const float* m, const float* v) = 0;
+  virtual void read_optimizer_state(float* m, float* v) = 0;
+  virtual void read_grads(float* grads) = 0;
+
+  virtual void zero_grad() = 0;
+  // One micro-batch (tokens and targets are host arrays of B*T ids): forward, loss, backward. Adds the
+  // gradient of grad_scale * mean_loss into the gradient buffer and returns the mean loss.
+  virtual float forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, float grad_scale) = 0;
+  // Forward only: mean loss over the B*T targets.
+  virtual float forward_loss(const int32_t* tokens, const int32_t* targets, int B, int T) = 0;
+  // Forward only: logits at the last position of each of the B sequences, out is [B, vocab_size].
+  virtual void last_logits(const int32_t* tokens, int B, int T, float* out) = 0;
+
+  // Global L2 norm of the gradient buffer.
+  virtual float grad_norm() = 0;
+  // One AdamW update (bias-corrected, step is 1-based) on grad_scale * gradients.
+  virtual void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) = 0;
+};
+
+// The fp32 CPU reference backend (ref_model.hpp).
+std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len);
+
+}  // namespace coda

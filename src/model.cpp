@@ -1,0 +1,125 @@
+// Parameter layout and initialisation; see model.hpp for the conventions.
+#include "model.hpp"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "rng.hpp"
+
+namespace coda {
+
+const char* arch_name(Arch arch) { return arch == Arch::GPT2 ? "gpt2" : "llama"; }
+
+Arch parse_arch(const std::string& name) {
+  if (name == "gpt2") return Arch::GPT2;
+  if (name == "llama") return Arch::Llama;
+  throw std::invalid_argument("arch: expected \"gpt2\" or \"llama\", got \"" + name + "\"");
+}
+
+void ModelConfig::validate() const {
+  auto require = [](bool ok, const std::string& message) {
+    if (!ok) throw std::invalid_argument(message);
+  };
+  require(n_layer >= 1, "n_layer must be >= 1");
+  require(d_model >= 1, "d_model must be >= 1");
+  require(n_head >= 1, "n_head must be >= 1");
+  require(d_model % n_head == 0, "d_model (" + std::to_string(d_model) + ") must be divisible by n_head (" +
+                                     std::to_string(n_head) + ")");
+  require(head_dim() % 2 == 0, "head_dim = d_model / n_head must be even");
+  require(n_kv_head >= 1 && n_head % n_kv_head == 0,
+          "n_kv_head (" + std::to_string(n_kv_head) + ") must divide n_head (" + std::to_string(n_head) + ")");
+  require(arch == Arch::Llama || n_kv_head == n_head, "n_kv_head must equal n_head for gpt2");
+  require(arch == Arch::Llama || tied_head, "tied_head must be true for gpt2");
+  require(d_ff >= 1, "d_ff must be >= 1");
+  require(vocab_size >= 2, "vocab_size must be >= 2");
+  require(max_seq_len >= 1, "max_seq_len must be >= 1");
+  require(rope_theta > 0.0f, "rope_theta must be > 0");
+  require(norm_eps > 0.0f, "norm_eps must be > 0");
+}
+
+const ParamTensor& ParamLayout::find(const std::string& name) const {
+  for (const auto& tensor : tensors)
+    if (tensor.name == name) return tensor;
+  throw std::out_of_range("no parameter tensor named " + name);
+}
+
+size_t ParamLayout::num_parameters() const {
+  size_t n = 0;
+  for (const auto& tensor : tensors) n += tensor.numel;
+  return n;
+}
+
+ParamLayout make_param_layout(const ModelConfig& c) {
+  c.validate();
+  ParamLayout layout;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay) {
+    ParamTensor tensor{name, shape, layout.total, 1, decay};
+    for (int64_t extent : shape) tensor.numel *= static_cast<size_t>(extent);
+    layout.total += (tensor.numel + kParamAlign - 1) / kParamAlign * kParamAlign;
+    layout.tensors.push_back(tensor);
+    return tensor.offset;
+  };
+  const int64_t C = c.d_model, V = c.padded_vocab(), F = c.d_ff;
+  const bool gpt2 = c.arch == Arch::GPT2;
+  layout.wte = add("wte", {V, C}, false);
+  if (gpt2) layout.wpe = add("wpe", {c.max_seq_len, C}, false);
+  for (int l = 0; l < c.n_layer; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    LayerParams lp;
+    lp.norm1_w = add(p + "norm1_w", {C}, false);
+    if (gpt2) lp.norm1_b = add(p + "norm1_b", {C}, false);
+    lp.qkv_w = add(p + "qkv_w", {c.qkv_dim(), C}, true);
+    if (gpt2) lp.qkv_b = add(p + "qkv_b", {c.qkv_dim()}, false);
+    lp.attn_proj_w = add(p + "attn_proj_w", {C, C}, true);
+    if (gpt2) lp.attn_proj_b = add(p + "attn_proj_b", {C}, false);
+    lp.norm2_w = add(p + "norm2_w", {C}, false);
+    if (gpt2) lp.norm2_b = add(p + "norm2_b", {C}, false);
+    lp.mlp_up_w = add(p + "mlp_up_w", {c.mlp_up_rows(), C}, true);
+    if (gpt2) lp.mlp_up_b = add(p + "mlp_up_b", {F}, false);
+    lp.mlp_down_w = add(p + "mlp_down_w", {C, F}, true);
+    if (gpt2) lp.mlp_down_b = add(p + "mlp_down_b", {C}, false);
+    layout.layers.push_back(lp);
+  }
+  layout.normf_w = add("normf_w", {C}, false);
+  if (gpt2) layout.normf_b = add("normf_b", {C}, false);
+  if (!c.tied_head) layout.lm_head = add("lm_head", {V, C}, true);
+  return layout;
+}
+
+void init_params(const ModelConfig& c, const ParamLayout& layout, uint64_t seed, float* params) {
+  Rng rng(seed);
+  const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
+  for (size_t i = 0; i < layout.total; ++i) params[i] = 0.0f;
+  for (const auto& tensor : layout.tensors) {
+    float* p = params + tensor.offset;
+    const std::string& name = tensor.name;
+    auto ends_with = [&](const char* suffix) {
+      const std::string s(suffix);
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (ends_with("_b")) continue;  // biases start at zero
+    if (ends_with("norm1_w") || ends_with("norm2_w") || name == "normf_w") {
+      for (size_t i = 0; i < tensor.numel; ++i) p[i] = 1.0f;
+      continue;
+    }
+    const float stddev = (ends_with("attn_proj_w") || ends_with("mlp_down_w")) ? residual_std : 0.02f;
+    // Embedding-shaped tensors: only the real vocabulary rows are drawn; padded rows stay zero.
+    const size_t rows_drawn = (name == "wte" || name == "lm_head")
+                                  ? static_cast<size_t>(c.vocab_size)
+                                  : static_cast<size_t>(tensor.shape[0]);
+    const size_t cols = tensor.shape.size() > 1 ? static_cast<size_t>(tensor.shape[1]) : 1;
+    for (size_t i = 0; i < rows_drawn * cols; ++i) p[i] = static_cast<float>(rng.normal()) * stddev;
+  }
+}
+
+double flops_per_token(const ModelConfig& c, int seq_len) {
+  const ParamLayout layout = make_param_layout(c);
+  double matmul_params = 0.0;  // every 2-D tensor used as a matmul: wpe never, wte only as the tied head
+  for (const auto& tensor : layout.tensors)
+    if (tensor.shape.size() == 2 && tensor.name != "wpe" && (tensor.name != "wte" || c.tied_head))
+      matmul_params += static_cast<double>(tensor.numel);
+  const double attention = static_cast<double>(c.n_layer) * seq_len * c.d_model;  // causal: QK^T + PV halved
+  return 6.0 * matmul_params + 6.0 * attention;
+}
+
+}  // namespace coda
