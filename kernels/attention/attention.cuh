@@ -1,0 +1,35 @@
+// Causal multi-head attention with grouped-query heads, bf16 in and out, fp32 softmax statistics.
+// The contract shared by the unfused and the CODA modes (the implementation lives beside this file).
+//
+// Layouts (see src/model.hpp, "packed qkv"):
+//   qkv  [B*T, (n_head + 2*n_kv_head) * head_dim]: per token [q heads | k heads | v heads];
+//        query head h reads kv head h / (n_head / n_kv_head).
+//   out  [B*T, n_head * head_dim]: token-major, the input layout of the output projection.
+//   lse  [B, n_head, T] fp32: natural-log sum-exp of the scaled scores (scale 1/sqrt(head_dim)).
+//   dqkv [B*T, qkv_dim]: gradient in the packed layout, fully WRITTEN by the backward (dk, dv summed over
+//        the query heads of each group).
+// The fp32 CPU reference of the same math is coda::ref::attention_forward / attention_backward.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace coda {
+
+struct AttentionShape {
+  int B = 0, T = 0, n_head = 0, n_kv_head = 0, head_dim = 0;
+  int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim; }
+};
+
+void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* qkv, const AttentionShape& shape,
+                       cudaStream_t stream);
+
+// Scratch the backward needs (fp32 dQ accumulators, row dot products D = rowsum(dO * O), ...).
+size_t attention_backward_workspace_bytes(const AttentionShape& shape);
+
+void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
+                        const __nv_bfloat16* out, const float* lse, void* workspace, const AttentionShape& shape,
+                        cudaStream_t stream);
+
+}  // namespace coda
