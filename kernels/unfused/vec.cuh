@@ -1,0 +1,91 @@
+// Device helpers shared by the unfused kernels: 16-byte vector access to bf16 and fp32 data, and
+// warp / block sums.
+//
+// Every memory-bound kernel of the unfused mode moves data in 16-byte packets (8 bf16 or 4 fp32 values),
+// one packet per thread per step, so a warp touches 512 contiguous bytes: fully coalesced, and the
+// fewest load/store instructions per byte. Arithmetic is always fp32; only storage is bf16.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda_check.cuh"
+
+namespace coda::unfused {
+
+using bf16 = __nv_bfloat16;
+
+// 8 bf16 values at a 16-byte aligned address, widened to fp32.
+__device__ __forceinline__ void load_bf16x8(float (&out)[8], const bf16* p) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// Rounds 8 fp32 values to bf16 (round to nearest even) and stores them at a 16-byte aligned address.
+__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&in)[8]) {
+  uint4 raw;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// 8 fp32 values at a 16-byte aligned address (two 16-byte packets), and back.
+__device__ __forceinline__ void load_f32x8(float (&out)[8], const float* p) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+}
+
+__device__ __forceinline__ void store_f32x8(float* p, const float (&in)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+// `scratch` holds 32 floats of shared memory; the call contains __syncthreads, so every thread must reach it.
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  x = warp_sum(x);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < warps ? scratch[lane] : 0.0f;
+  return warp_sum(x);
+}
+
+// Grid size for a launch of `threads` threads in blocks of `block` threads.
+inline unsigned int blocks_for(size_t threads, int block) {
+  return static_cast<unsigned int>((threads + block - 1) / block);
+}
+
+// Multiprocessors of the current device (queried once per process), for sizing persistent-style grids.
+inline int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  }();
+  return count;
+}
+
+}  // namespace coda::unfused
