@@ -23,6 +23,12 @@ struct AdamWHyper {
   float weight_decay = 0.1f;  // decoupled; applied only to tensors with ParamTensor::weight_decay
 };
 
+// Device time of the phases of the latest forward_backward (forward incl. loss, backward) and
+// adamw_step (optimizer) calls, in milliseconds; zeros from a backend that does not measure them.
+struct PhaseTimes {
+  double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -48,9 +54,17 @@ class Backend {
   virtual float grad_norm() = 0;
   // One AdamW update (bias-corrected, step is 1-based) on grad_scale * gradients.
   virtual void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) = 0;
+
+  virtual PhaseTimes last_phase_times() { return {}; }
 };
 
 // The fp32 CPU reference backend (ref_model.hpp).
 std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len);
+
+// The CUDA backend (cuda_backend.hpp) on the current device, kernels = "unfused" (cuBLASLt GEMMs plus one
+// kernel per operation). Throws std::invalid_argument for an unknown kernels mode and std::runtime_error,
+// with the numbers, when the model and batch do not fit in the free device memory.
+std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
+                                           int max_seq_len);
 
 }  // namespace coda

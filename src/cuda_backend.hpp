@@ -1,0 +1,185 @@
+// The CUDA backend: one model on one GPU, bf16 weights and activations, fp32 master weights, gradients
+// and AdamW moments.
+//
+// Everything lives in ONE device arena sized up front from (ModelConfig, max batch, max sequence length),
+// so a run that does not fit fails at start with the numbers instead of running out of memory mid-step.
+// The plan is a list of named buffers in three groups: parameter state (bf16 copy, fp32 master, fp32
+// gradients, fp32 m and v, all in the flat ParamLayout order), activations saved for the backward pass
+// (per layer), and scratch shared by all layers.
+//
+// The training step is split into overridable pieces (embedding, one block forward, head, their
+// backwards), each reading and writing the named buffers below. This class runs them in the unfused mode
+// (cuBLASLt GEMMs plus one kernel per operation, kernels/unfused/); the CODA mode derives from it,
+// overrides the pieces it fuses and reserves its extra buffers in plan_buffers, reusing the parameter
+// state, the optimizer and the I/O of this class unchanged.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "kernels/attention/attention.cuh"
+#include "kernels/gemm/cublaslt.cuh"
+#include "kernels/unfused/unfused.cuh"
+#include "model.hpp"
+
+namespace coda {
+
+// Named device buffers carved from one allocation.
+class ArenaPlan {
+ public:
+  // Reserves `count` elements of T for *slot, assigned by allocate(); group is the line of the memory log.
+  template <typename T>
+  void reserve(T** slot, size_t count, const std::string& group) {
+    add(reinterpret_cast<void**>(slot), count * sizeof(T), group);
+  }
+  size_t total_bytes() const { return total_; }
+  // Bytes per group, in the order groups first appeared.
+  std::vector<std::pair<std::string, size_t>> group_bytes() const;
+  // Points every reserved slot into `base` (which holds total_bytes()).
+  void assign(char* base) const;
+
+ private:
+  struct Entry {
+    void** slot;
+    size_t offset, bytes;
+    std::string group;
+  };
+  void add(void** slot, size_t bytes, const std::string& group);
+  std::vector<Entry> entries_;
+  size_t total_ = 0;
+};
+
+class CudaBackend : public Backend {
+ public:
+  using bf16 = __nv_bfloat16;
+  CudaBackend(const ModelConfig& config, int max_batch, int max_seq_len);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  // Plans (plan_buffers), checks the plan against the free device memory (throws with the numbers),
+  // logs it and allocates. Called once by the factory, after construction (so overrides take part).
+  void allocate();
+
+  std::string name() const override { return "cuda-unfused"; }
+  void load_params(const float* params) override;
+  void read_params(float* params) override;
+  void load_optimizer_state(const float* m, const float* v) override;
+  void read_optimizer_state(float* m, float* v) override;
+  void read_grads(float* grads) override;
+  void zero_grad() override;
+  float forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, float grad_scale) override;
+  float forward_loss(const int32_t* tokens, const int32_t* targets, int B, int T) override;
+  void last_logits(const int32_t* tokens, int B, int T, float* out) override;
+  float grad_norm() override;
+  void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) override;
+  PhaseTimes last_phase_times() override;
+
+ protected:
+  struct LayerActivations {
+    bf16* input = nullptr;         // residual stream entering the layer [N, C]
+    bf16* norm1 = nullptr;         // [N, C]
+    float* norm1_mean = nullptr;   // [N] (LayerNorm only)
+    float* norm1_rstd = nullptr;   // [N]
+    bf16* qkv = nullptr;           // [N, qkv_dim], after bias / RoPE: what attention reads
+    bf16* attn = nullptr;          // [N, C]
+    float* lse = nullptr;          // [B, n_head, T]
+    bf16* mid = nullptr;           // residual stream after the attention half [N, C]
+    bf16* norm2 = nullptr;         // [N, C]
+    float* norm2_mean = nullptr;
+    float* norm2_rstd = nullptr;
+    bf16* up = nullptr;            // [N, mlp_up_rows]: GELU input, or interleaved (g, u)
+    bf16* act = nullptr;           // [N, d_ff]: input of the down projection
+  };
+  struct Activations {
+    std::vector<LayerActivations> layers;
+    bf16* output = nullptr;        // residual stream after the last layer [N, C]
+    bf16* normf = nullptr;         // [N, C]
+    float* normf_mean = nullptr;
+    float* normf_rstd = nullptr;
+    bf16* logits = nullptr;        // [N, Vp]; the backward overwrites it with dlogits
+    float* losses = nullptr;       // [N]
+    float* logits_lse = nullptr;   // [N]
+    int32_t* tokens = nullptr;     // [N]
+    int32_t* targets = nullptr;    // [N]
+    int32_t* token_buckets = nullptr;  // [3N + 1], unfused::TokenBuckets::packed
+    int num_token_buckets = 0;         // of the current batch
+  };
+  struct Scratch {
+    bf16* proj = nullptr;          // output of a residual-branch projection before its add [N, C]
+    bf16* d_residual = nullptr;    // gradient of the residual stream [N, C]
+    bf16* d_norm = nullptr;        // gradient of a norm output [N, C]
+    bf16* d_attn = nullptr;        // [N, C]
+    bf16* d_qkv = nullptr;         // [N, qkv_dim]
+    bf16* d_act = nullptr;         // [N, d_ff]
+    bf16* d_up = nullptr;          // [N, mlp_up_rows] (GPT-2: the same buffer as d_act, GELU runs in place)
+    void* attention_workspace = nullptr;
+    float* norm_partials = nullptr;
+    unfused::ColumnSumWorkspace column_sums;
+    float* sumsq_partials = nullptr;
+    unsigned int* sumsq_ticket = nullptr;
+    float* sumsq = nullptr;
+    float2* rope_table = nullptr;  // Llama: [max_T, head_dim / 2]
+    uint8_t* decay = nullptr;      // one byte per 64 parameters: AdamW weight decay on / off
+  };
+
+  // Reserves every buffer of this mode; an override calls this one first, then adds its own.
+  virtual void plan_buffers(ArenaPlan& plan);
+  // The pieces of a step, on stream_ for B sequences of T tokens (N = B*T rows).
+  virtual void embedding_forward(int B, int T);
+  virtual void block_forward(int layer, int B, int T);
+  virtual void head_forward(int B, int T);  // final norm and logits
+  virtual void loss_forward(int B, int T);  // per-row losses and lse
+  virtual void head_backward(int B, int T, float dloss);  // leaves d_residual = gradient of the output
+  virtual void block_backward(int layer, int B, int T);
+  virtual void embedding_backward(int B, int T);
+
+  // Parameter tensors by offset (model.hpp): bf16 working copy, fp32 gradient.
+  const bf16* weight(size_t offset) const { return offset == kAbsent ? nullptr : params_bf16_ + offset; }
+  float* grad(size_t offset) const { return offset == kAbsent ? nullptr : grads_ + offset; }
+  bf16* layer_output(int layer) const;
+  void norm_forward(bf16* y, float* mean, float* rstd, const bf16* x, size_t w, size_t b, int N);
+  void norm_backward(bf16* dx, const bf16* dy, const bf16* x, size_t w, size_t b, const float* mean,
+                     const float* rstd, int N, bool accumulate);
+  // Y[N, OC] = X[N, IC] W^T; dX = dY W; dW += dY^T X (fp32, accumulating).
+  void linear_forward(bf16* y, const bf16* x, size_t w, int N, int IC, int OC);
+  void linear_dgrad(bf16* dx, const bf16* dy, size_t w, int N, int IC, int OC);
+  void linear_wgrad(size_t w, const bf16* dy, const bf16* x, int N, int IC, int OC);
+  AttentionShape attention_shape(int B, int T) const;
+
+  ModelConfig config_;
+  ParamLayout layout_;
+  int max_batch_, max_seq_len_;
+  bool gpt2_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<CublasLt> cublas_;
+  void* arena_ = nullptr;
+
+  bf16* params_bf16_ = nullptr;
+  float* params_ = nullptr;
+  float* grads_ = nullptr;
+  float* adam_m_ = nullptr;
+  float* adam_v_ = nullptr;
+  Activations acts_;
+  Scratch scratch_;
+
+ private:
+  void check_shape(int B, int T, const char* what) const;
+  void upload_batch(const int32_t* tokens, const int32_t* targets, int B, int T);
+  float mean_loss(int N);  // waits for the stream
+
+  // Pinned host staging for the per-step transfers.
+  int32_t* host_tokens_ = nullptr;   // [N] tokens, [N] targets
+  int32_t* host_buckets_ = nullptr;  // [3N + 1]
+  float* host_losses_ = nullptr;     // [N]
+  float* host_scalar_ = nullptr;     // [1]
+  enum Event { kForwardStart, kForwardEnd, kBackwardEnd, kOptimizerStart, kOptimizerEnd, kEvents };
+  cudaEvent_t events_[kEvents] = {};
+  bool step_timed_ = false, optimizer_timed_ = false;
+};
+
+}  // namespace coda
