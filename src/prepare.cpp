@@ -234,7 +234,11 @@ nlohmann::json prepare_text(const std::vector<std::string>& files, const std::st
     total += sizes.back();
     total_val += static_cast<size_t>(std::llround(val_fraction * static_cast<double>(sizes.back())));
   }
-  if (total == 0) throw std::runtime_error("prepare text: the input files hold no bytes, nothing to write");
+  if (total == 0) {
+    std::string names;
+    for (const std::string& file : files) names += (names.empty() ? "" : ", ") + file;
+    throw std::runtime_error("prepare text: the input files (" + names + ") hold no bytes, nothing to write");
+  }
   if (val_fraction > 0.0 && total_val == 0) {
     throw std::runtime_error("prepare text: val_fraction " + std::to_string(val_fraction) + " of " +
                              std::to_string(total) + " bytes leaves no validation tokens");
