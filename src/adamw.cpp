@@ -15,7 +15,7 @@ void adamw_update(const ParamLayout& layout, float* params, const float* grads, 
   for (const ParamTensor& tensor : layout.tensors) {
     const float decay = tensor.weight_decay ? hyper.weight_decay : 0.0f;
     const long long begin = static_cast<long long>(tensor.offset), end = begin + static_cast<long long>(tensor.numel);
-#pragma omp parallel for
+#pragma omp parallel for if (tensor.numel >= (size_t{1} << 16))  // threads pay off on large tensors only
     for (long long i = begin; i < end; ++i) {
       const float g = grad_scale * grads[i];
       m[i] = hyper.beta1 * m[i] + (1.0f - hyper.beta1) * g;

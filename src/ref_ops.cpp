@@ -2,8 +2,9 @@
 //
 // Written to be read: one plain loop nest per operation, llm.c style. The heavy loops carry
 // `#pragma omp parallel for` over an index whose outputs no other iteration touches, so results are
-// bit-identical with any number of threads (and without OpenMP). Long sums whose precision sets the
-// accuracy of the reference (norm statistics, softmax normalisers) accumulate in double.
+// bit-identical with any number of threads (and without OpenMP); loops too small to gain run serially.
+// Long sums whose precision sets the accuracy of the reference (norm statistics, softmax normalisers)
+// accumulate in double.
 //
 // Backward math, per operation (d is the gradient of the loss):
 //  * matmul: dx = dy W, dW = dy^T x, db = sum_n dy.
@@ -25,8 +26,11 @@
 
 namespace coda::ref {
 
+// Threads pay off only above some work per loop (in multiply-adds or elements); tiny shapes run serially.
+[[maybe_unused]] static bool worth_threads(size_t work) { return work >= (size_t{1} << 16); }
+
 void embedding_forward(float* x, const int32_t* tokens, const float* wte, const float* wpe, int B, int T, int C) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(B) * T * C))
   for (int n = 0; n < B * T; ++n) {
     const float* token_row = wte + static_cast<size_t>(tokens[n]) * C;
     const float* position_row = wpe ? wpe + static_cast<size_t>(n % T) * C : nullptr;
@@ -49,7 +53,7 @@ void embedding_backward(float* dwte, float* dwpe, const float* dx, const int32_t
 }
 
 void matmul_forward(float* y, const float* x, const float* w, const float* b, int N, int IC, int OC) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * IC * OC))
   for (int n = 0; n < N; ++n) {
     const float* x_row = x + static_cast<size_t>(n) * IC;
     for (int o = 0; o < OC; ++o) {
@@ -64,7 +68,7 @@ void matmul_forward(float* y, const float* x, const float* w, const float* b, in
 void matmul_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w, int N, int IC,
                      int OC) {
   if (dx) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * IC * OC))
     for (int n = 0; n < N; ++n) {
       float* dx_row = dx + static_cast<size_t>(n) * IC;
       for (int o = 0; o < OC; ++o) {
@@ -75,7 +79,7 @@ void matmul_backward(float* dx, float* dw, float* db, const float* dy, const flo
     }
   }
   if (dw || db) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * IC * OC))
     for (int o = 0; o < OC; ++o) {
       float* dw_row = dw ? dw + static_cast<size_t>(o) * IC : nullptr;
       float bias_sum = 0.0f;
@@ -94,7 +98,7 @@ void matmul_backward(float* dx, float* dw, float* db, const float* dy, const flo
 
 void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b, int N, int C,
                        float eps) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * C))
   for (int n = 0; n < N; ++n) {
     const float* x_row = x + static_cast<size_t>(n) * C;
     double sum = 0.0;
@@ -114,7 +118,7 @@ void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const
 // one column per iteration so threads never share an output. mean is null for RMSNorm.
 static void norm_param_grads(float* dw, float* db, const float* dy, const float* x, const float* mean,
                              const float* rstd, int N, int C) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * C))
   for (int c = 0; c < C; ++c) {
     double w_sum = 0.0, b_sum = 0.0;
     for (int n = 0; n < N; ++n) {
@@ -132,7 +136,7 @@ static void norm_param_grads(float* dw, float* db, const float* dy, const float*
 // mean(g) term since its output does not subtract the mean.
 static void norm_input_grad(float* dx, const float* dy, const float* x, const float* w, const float* mean,
                             const float* rstd, int N, int C) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * C))
   for (int n = 0; n < N; ++n) {
     const float* dy_row = dy + static_cast<size_t>(n) * C;
     const float* x_row = x + static_cast<size_t>(n) * C;
@@ -160,7 +164,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
 }
 
 void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int N, int C, float eps) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * C))
   for (int n = 0; n < N; ++n) {
     const float* x_row = x + static_cast<size_t>(n) * C;
     double squares = 0.0;
@@ -182,7 +186,7 @@ void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, con
 static constexpr float kGeluScale = 0.7978845608028654f;
 
 void gelu_forward(float* y, const float* x, size_t n) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(n))
   for (size_t i = 0; i < n; ++i) {
     const float v = x[i];
     y[i] = 0.5f * v * (1.0f + std::tanh(kGeluScale * (v + 0.044715f * v * v * v)));
@@ -190,7 +194,7 @@ void gelu_forward(float* y, const float* x, size_t n) {
 }
 
 void gelu_backward(float* dx, const float* dy, const float* x, size_t n) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(n))
   for (size_t i = 0; i < n; ++i) {
     const float v = x[i];
     const float th = std::tanh(kGeluScale * (v + 0.044715f * v * v * v));
@@ -202,7 +206,7 @@ void gelu_backward(float* dx, const float* dy, const float* x, size_t n) {
 static float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
 void swiglu_forward(float* y, const float* gu, int N, int F) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * F))
   for (int n = 0; n < N; ++n) {
     for (int j = 0; j < F; ++j) {
       const float g = gu[(static_cast<size_t>(n) * F + j) * 2], u = gu[(static_cast<size_t>(n) * F + j) * 2 + 1];
@@ -212,7 +216,7 @@ void swiglu_forward(float* y, const float* gu, int N, int F) {
 }
 
 void swiglu_backward(float* dgu, const float* dy, const float* gu, int N, int F) {
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * F))
   for (int n = 0; n < N; ++n) {
     for (int j = 0; j < F; ++j) {
       const size_t pair = (static_cast<size_t>(n) * F + j) * 2;
@@ -228,7 +232,7 @@ void swiglu_backward(float* dgu, const float* dy, const float* gu, int N, int F)
 // and k heads are contiguous in the packed row, so they are the first n_head + n_kv_head heads.
 static void rope_rotate(float* qkv, int B, int T, int n_head, int n_kv_head, int hd, float theta, int direction) {
   const size_t row_width = static_cast<size_t>(n_head + 2 * n_kv_head) * hd;
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(B) * T * row_width))
   for (int n = 0; n < B * T; ++n) {
     const int t = n % T;
     for (int head = 0; head < n_head + n_kv_head; ++head) {
@@ -262,7 +266,7 @@ void attention_forward(float* out, float* lse, const float* qkv, int B, int T, i
   const size_t row_width = static_cast<size_t>(n_head + 2 * n_kv_head) * hd, C = static_cast<size_t>(n_head) * hd;
   const int group = n_head / n_kv_head;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) if (worth_threads(static_cast<size_t>(B) * n_head * T * T * hd))
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < n_head; ++h) {
       const size_t k_col = static_cast<size_t>(n_head + h / group) * hd, v_col = k_col + n_kv_head * hd;
@@ -297,7 +301,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const int group = n_head / n_kv_head;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // One iteration per (sequence, kv head): it owns dk and dv of that kv head and dq of its query heads.
-#pragma omp parallel for collapse(2)
+#pragma omp parallel for collapse(2) if (worth_threads(static_cast<size_t>(B) * n_head * T * T * hd))
   for (int b = 0; b < B; ++b) {
     for (int g = 0; g < n_kv_head; ++g) {
       const size_t k_col = static_cast<size_t>(n_head + g) * hd, v_col = k_col + n_kv_head * hd;
@@ -344,7 +348,7 @@ static double logsumexp(const float* row, int V) {
 
 void crossentropy_forward(float* losses, const float* logits, const int32_t* targets, int N, int V, int Vp) {
   for (int n = 0; n < N; ++n) check_target(targets[n], V);
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * Vp))
   for (int n = 0; n < N; ++n) {
     const float* row = logits + static_cast<size_t>(n) * Vp;
     losses[n] = static_cast<float>(logsumexp(row, V) - row[targets[n]]);
@@ -354,7 +358,7 @@ void crossentropy_forward(float* losses, const float* logits, const int32_t* tar
 void crossentropy_backward(float* dlogits, const float* logits, const int32_t* targets, float dloss, int N, int V,
                            int Vp) {
   for (int n = 0; n < N; ++n) check_target(targets[n], V);
-#pragma omp parallel for
+#pragma omp parallel for if (worth_threads(static_cast<size_t>(N) * Vp))
   for (int n = 0; n < N; ++n) {
     const float* row = logits + static_cast<size_t>(n) * Vp;
     float* d = dlogits + static_cast<size_t>(n) * Vp;
