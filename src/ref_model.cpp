@@ -172,8 +172,8 @@ void RefModel::backward(float grad_scale) {
                   param(p.norm2_w), a.norm2_mean.data(), a.norm2_rstd.data(), N);
     // Attention block: d_residual is now the gradient of residual_mid.
     zero(d_attn_out_, C);
-    matmul_backward(d_attn_out_.data(), grad(p.attn_proj_w), grad(p.attn_proj_b), d_residual_.data(),
-                    a.attn_out.data(), param(p.attn_proj_w), N, C, C);
+    matmul_backward(d_attn_out_.data(), grad(p.attn_proj_w), grad(p.attn_proj_b), d_residual_.data(), a.attn_out.data(),
+                    param(p.attn_proj_w), N, C, C);
     zero(d_qkv_, config.qkv_dim());
     attention_backward(d_qkv_.data(), d_attn_out_.data(), a.qkv.data(), a.attn_out.data(), a.lse.data(), B, T, NH, NKV,
                        hd);

@@ -333,8 +333,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 
 static void check_target(int32_t target, int V) {
   if (target < 0 || target >= V)
-    throw std::invalid_argument("crossentropy: target " + std::to_string(target) + " outside [0, " +
-                                std::to_string(V) + ")");
+    throw std::invalid_argument("crossentropy: target " + std::to_string(target) + " outside [0, " + std::to_string(V) +
+                                ")");
 }
 
 // Natural-log sum-exp of row[0..V).

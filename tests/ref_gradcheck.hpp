@@ -8,13 +8,13 @@
 // Analytic gradients are taken from buffers pre-filled with random values (GradBuffer), so every check
 // also checks that backward functions ADD into their outputs.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "rng.hpp"
 
@@ -82,7 +82,6 @@ inline ::testing::AssertionResult grad_matches(const std::string& what, float* x
                                                const std::function<double()>& loss, float eps,
                                                const std::vector<size_t>& indices, double tol) {
   const GradCheckResult result = gradcheck(x, analytic, loss, eps, indices);
-  if (getenv("CODA_PRINT_GRADCHECK")) printf("gradcheck %-24s error %.2e  |numeric| %.2e\n", what.c_str(), result.error, result.numeric_norm);
   if (result.error < tol && result.numeric_norm > 0.0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << what << ": relative error " << result.error << " (tolerance " << tol
                                        << "), |numeric gradient| " << result.numeric_norm;

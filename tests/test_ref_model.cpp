@@ -294,7 +294,6 @@ TEST(CpuBackend, AdamWStepsLowerTheLossOnAFixedBatch) {
       losses.push_back(backend->forward_backward(batch.tokens.data(), batch.targets.data(), B, T, 1.0f));
       backend->adamw_step(hyper, step, 1.0f);
     }
-    printf("%s: %f -> %f\n", arch_name(config.arch), losses.front(), losses.back());
     for (size_t k = 1; k < losses.size(); ++k) EXPECT_LT(losses[k], losses[k - 1]) << "step " << k + 1;
     EXPECT_LT(losses.back(), 0.7f * losses.front());
   }

@@ -49,8 +49,10 @@ TEST(RefOps, Embedding) {
     ref::embedding_forward(x.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
     return project(x.data(), r);
   };
-  EXPECT_TRUE(grad_matches("embedding dwte", wte.data(), dwte.added(), loss, kEps, sample_indices(wte.size(), 1000, rng), kTol));
-  EXPECT_TRUE(grad_matches("embedding dwpe", wpe.data(), dwpe.added(), loss, kEps, sample_indices(wpe.size(), 1000, rng), kTol));
+  EXPECT_TRUE(grad_matches("embedding dwte", wte.data(), dwte.added(), loss, kEps,
+                           sample_indices(wte.size(), 1000, rng), kTol));
+  EXPECT_TRUE(grad_matches("embedding dwpe", wpe.data(), dwpe.added(), loss, kEps,
+                           sample_indices(wpe.size(), 1000, rng), kTol));
 }
 
 TEST(RefOps, Matmul) {
@@ -73,9 +75,12 @@ TEST(RefOps, Matmul) {
     ref::matmul_forward(y.data(), x.data(), w.data(), b.data(), N, IC, OC);
     return project(y.data(), r);
   };
-  EXPECT_TRUE(grad_matches("matmul dx", x.data(), dx.added(), loss, kEps, sample_indices(x.size(), kSamples, rng), kTol));
-  EXPECT_TRUE(grad_matches("matmul dw", w.data(), dw.added(), loss, kEps, sample_indices(w.size(), kSamples, rng), kTol));
-  EXPECT_TRUE(grad_matches("matmul db", b.data(), db.added(), loss, kEps, sample_indices(b.size(), kSamples, rng), kTol));
+  EXPECT_TRUE(
+      grad_matches("matmul dx", x.data(), dx.added(), loss, kEps, sample_indices(x.size(), kSamples, rng), kTol));
+  EXPECT_TRUE(
+      grad_matches("matmul dw", w.data(), dw.added(), loss, kEps, sample_indices(w.size(), kSamples, rng), kTol));
+  EXPECT_TRUE(
+      grad_matches("matmul db", b.data(), db.added(), loss, kEps, sample_indices(b.size(), kSamples, rng), kTol));
 }
 
 // Both norms, forward properties and gradients; `layer` selects LayerNorm (else RMSNorm).
@@ -92,18 +97,24 @@ void check_norm(bool layer, uint64_t seed) {
       ref::rmsnorm_forward(y.data(), rstd.data(), x.data(), w.data(), N, C, eps);
   };
   forward();
-  // Undoing the gain (and bias) must leave rows of mean 0 (LayerNorm) and mean square ~1.
+  // The saved statistics are those of the row, and undoing the gain (and bias) leaves rows of mean 0
+  // (LayerNorm) and mean square ~1.
   for (int n = 0; n < N; ++n) {
-    double sum = 0.0, squares = 0.0, x_squares = 0.0;
+    double x_sum = 0.0, x_squares = 0.0, xhat_sum = 0.0, xhat_squares = 0.0;
     for (int c = 0; c < C; ++c) {
-      const double xhat = (y[n * C + c] - (layer ? b[c] : 0.0f)) / w[c];
-      sum += xhat;
-      squares += xhat * xhat;
+      x_sum += x[n * C + c];
       x_squares += static_cast<double>(x[n * C + c]) * x[n * C + c];
+      const double xhat = (y[n * C + c] - (layer ? b[c] : 0.0f)) / w[c];
+      xhat_sum += xhat;
+      xhat_squares += xhat * xhat;
     }
-    if (layer) EXPECT_NEAR(sum / C, 0.0, 1e-5);
-    EXPECT_NEAR(squares / C, 1.0, 1e-4);
-    if (!layer) EXPECT_NEAR(rstd[n], 1.0 / std::sqrt(x_squares / C + eps), 1e-6 * rstd[n]);
+    const double x_mean = layer ? x_sum / C : 0.0;
+    EXPECT_NEAR(rstd[n], 1.0 / std::sqrt(x_squares / C - x_mean * x_mean + eps), 1e-5 * rstd[n]);
+    EXPECT_NEAR(xhat_squares / C, 1.0, 1e-4);
+    if (layer) {
+      EXPECT_NEAR(mean[n], x_mean, 1e-5);
+      EXPECT_NEAR(xhat_sum / C, 0.0, 1e-5);
+    }
   }
 
   const auto r = random_vector(y.size(), rng);
@@ -117,10 +128,14 @@ void check_norm(bool layer, uint64_t seed) {
     return project(y.data(), r);
   };
   const std::string name = layer ? "layernorm" : "rmsnorm";
-  EXPECT_TRUE(grad_matches(name + " dx", x.data(), dx.added(), loss, kEps, sample_indices(x.size(), kSamples, rng), kTol));
-  EXPECT_TRUE(grad_matches(name + " dw", w.data(), dw.added(), loss, kEps, sample_indices(w.size(), kSamples, rng), kTol));
-  if (layer)
-    EXPECT_TRUE(grad_matches(name + " db", b.data(), db.added(), loss, kEps, sample_indices(b.size(), kSamples, rng), kTol));
+  EXPECT_TRUE(
+      grad_matches(name + " dx", x.data(), dx.added(), loss, kEps, sample_indices(x.size(), kSamples, rng), kTol));
+  EXPECT_TRUE(
+      grad_matches(name + " dw", w.data(), dw.added(), loss, kEps, sample_indices(w.size(), kSamples, rng), kTol));
+  if (layer) {
+    EXPECT_TRUE(
+        grad_matches(name + " db", b.data(), db.added(), loss, kEps, sample_indices(b.size(), kSamples, rng), kTol));
+  }
 }
 
 TEST(RefOps, LayerNorm) { check_norm(true, 3); }
@@ -166,7 +181,8 @@ TEST(RefOps, SwiGlu) {
     ref::swiglu_forward(y.data(), gu.data(), N, F);
     return project(y.data(), r);
   };
-  EXPECT_TRUE(grad_matches("swiglu dgu", gu.data(), dgu.added(), loss, kEps, sample_indices(gu.size(), 1000, rng), kTol));
+  EXPECT_TRUE(
+      grad_matches("swiglu dgu", gu.data(), dgu.added(), loss, kEps, sample_indices(gu.size(), 1000, rng), kTol));
 }
 
 struct HeadShape {
@@ -332,7 +348,8 @@ TEST_P(AttentionGradient, MatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(RefOps, AttentionGradient,
-                         ::testing::Values(HeadShape{2, 7, 4, 4, 8}, HeadShape{2, 7, 4, 2, 8}, HeadShape{1, 9, 4, 1, 8}),
+                         ::testing::Values(HeadShape{2, 7, 4, 4, 8}, HeadShape{2, 7, 4, 2, 8},
+                                           HeadShape{1, 9, 4, 1, 8}),
                          [](const auto& info) { return "kv_heads_" + std::to_string(info.param.n_kv_head); });
 
 TEST(RefOps, CrossEntropy) {
