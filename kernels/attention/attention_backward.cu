@@ -1,21 +1,11 @@
-// Causal grouped-query attention, FlashAttention-2 style, on tensor cores (mma.sync m16n8k16, bf16 in,
-// fp32 accumulate). Contract and layouts: attention.cuh.
+// Backward of causal grouped-query attention, FlashAttention-2 style, on tensor cores (mma.sync
+// m16n8k16, bf16 operands, fp32 accumulate). Contract and layouts: attention.cuh; forward:
+// attention_forward.cu (it saves lse, the natural-log sum-exp of each query's scaled scores).
 //
-// Forward. One thread block = one query head x one block of BR = 64 query rows; each of its 4 warps owns
-// 16 rows. The block walks the key/value blocks (BC = 64 keys) from key 0 up to the diagonal (blocks above
-// it are never touched) keeping, per row, the running max m and running sum l of the online softmax in
-// fp32 and an fp32 accumulator O (registers):
-//     S = Q K^T,  m' = max(m, rowmax S),  P = exp(scale*(S - m')),
-//     l' = l exp(scale*(m - m')) + rowsum P,  O' = O exp(scale*(m - m')) + P V.
-// Exponentials are exp2 with log2(e) folded into the scale. At the end O / l is written (bf16) and
-// lse = scale*m + ln l. Rows are processed in order of the key blocks starting at key 0, so every row
-// sees a finite maximum in its first block (key 0 is visible to every query) and no -inf - -inf occurs.
-// S stays in registers: the accumulator fragment of S = QK^T is, re-packed to bf16, exactly the A operand
-// fragment of P V. K is loaded while P V of the previous block runs and V while S is computed (cp.async).
-//
-// Backward (FA2). D = rowsum(dO * O) first (one small kernel; it also clears the fp32 dQ accumulator).
-// Then one thread block = one kv head x one block of BC = 64 keys (16 per warp); it loops over every query
-// head of the kv head's group and every query block at or below the diagonal, QB = 64 queries at a time:
+// D = rowsum(dO * O) first (one small kernel; it also clears the fp32 dQ accumulator). Then one thread
+// block = one kv head x one block of 64 keys (16 per warp, 4 warps); it loops over every query head of
+// the kv head's group and every query block at or below the diagonal (blocks above it are skipped),
+// 64 queries at a time:
 //     P^T  = exp(scale*S^T - lse)         S^T = K Q^T (keys x queries, warp-local rows)
 //     dV  += P^T dO
 //     dP^T = V dO^T
@@ -24,15 +14,18 @@
 //     dQ  += dS K                           (dS^T goes through shared memory; fp32 atomics into a buffer)
 // Summing over the group's query heads inside the block gives dK, dV of a kv head without atomics; dQ
 // is shared between kv blocks, hence the fp32 accumulator, converted (times scale) into dqkv at the end.
-// The Q/dO tiles of the next step are loaded (cp.async, double-buffered) while the current one computes.
+// P^T and dS^T stay in registers as mma accumulators and are re-packed to bf16 as the A operand of the
+// next product. The Q/dO tiles of the next step are loaded (cp.async, double-buffered) while the
+// current one computes. Key blocks are scheduled by increasing key index (most query blocks first).
 //
 // Tails: tiles are loaded with zero fill past row T. Zero keys past T are masked by causality for every
-// real query; query rows past T are never stored, and in the backward their dO and D are zero, so they
-// contribute nothing to dK, dV.
+// real query; query rows past T have zero dO and D, so they contribute nothing to dK, dV, and their dQ
+// is never stored.
 //
 // Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled by the row (chunk ^ row%8), so the
 // 8 row addresses of every ldmatrix (and the bf16x2 stores of dS) hit distinct banks.
 #include "kernels/attention/attention.cuh"
+#include "kernels/attention/attention_device.cuh"
 
 #include <cmath>
 #include <cstdint>
@@ -44,17 +37,12 @@
 namespace coda {
 namespace {
 
-using bf16 = __nv_bfloat16;
-constexpr float kLog2e = 1.4426950408889634f;
+using namespace attention_detail;
+
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kBlockQ = 64;   // forward: query rows per block (16 per warp)
-constexpr int kBlockK = 64;   // keys per block: forward inner step; backward: keys per block (16 per warp)
-constexpr int kStepQ = 64;    // backward: queries per inner step
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+constexpr int kBlockK = 16 * kWarps;  // keys per block (16 per warp)
+constexpr int kStepQ = 64;    // queries per inner step
 
 // Byte offset of element (row, col) of a swizzled row-major bf16 tile with COLS columns.
 template <int COLS>
@@ -93,11 +81,6 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // Lane addresses for ldmatrix.x4 (lane l, i = l / 8 picks the 8x8 matrix, r = l % 8 its row). Operands of
@@ -156,121 +139,6 @@ __device__ __forceinline__ void store_warp_rows(const float (&acc)[HD / 8][4], f
       *reinterpret_cast<int4*>(dst + static_cast<size_t>(grow0 + r) * stride + col) =
           *reinterpret_cast<const int4*>(tile + swz<HD>(row0 + r, col));
   }
-}
-
-template <int HD>
-__global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T,
-                                                                      int n_head, int n_kv_head, float scale_log2) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* q_tile = smem;
-  const uint32_t sQ = smem_addr(smem), sK = sQ + kBlockQ * HD * 2, sV = sK + kBlockK * HD * 2;
-
-  const int n_qblocks = (T + kBlockQ - 1) / kBlockQ;
-  const int q0 = (n_qblocks - 1 - blockIdx.y) * kBlockQ;  // longest (most keys) blocks first
-  const int b = blockIdx.x / n_head, h = blockIdx.x % n_head, kvh = h / (n_head / n_kv_head);
-  const size_t qkv_dim = static_cast<size_t>(n_head + 2 * n_kv_head) * HD;
-  const bf16* seq = qkv + static_cast<size_t>(b) * T * qkv_dim;
-  const bf16* k_src = seq + static_cast<size_t>(n_head + kvh) * HD;
-  const bf16* v_src = seq + static_cast<size_t>(n_head + n_kv_head + kvh) * HD;
-  const int n_kblocks = min((q0 + kBlockQ + kBlockK - 1) / kBlockK, (T + kBlockK - 1) / kBlockK);
-
-  load_tile<kBlockQ, HD>(sQ, seq + static_cast<size_t>(h) * HD, qkv_dim, q0, T);
-  load_tile<kBlockK, HD>(sK, k_src, qkv_dim, 0, T);
-  cp_async_commit();
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const Lane ln;
-  const int row_lo = q0 + warp * 16 + g;  // this thread's two rows: row_lo, row_lo + 8
-  uint32_t qf[HD / 16][4];
-  float o[HD / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-  for (int j = 0; j < n_kblocks; ++j) {
-    cp_async_wait<0>();
-    __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
-    load_tile<kBlockK, HD>(sV, v_src, qkv_dim, j * kBlockK, T);
-    cp_async_commit();
-    if (j == 0) {
-#pragma unroll
-      for (int kc = 0; kc < HD / 16; ++kc) ldsm_x4(qf[kc], sQ + swz<HD>(warp * 16 + ln.a_row(), kc * 16 + ln.a_col()));
-    }
-
-    float s[kBlockK / 8][4] = {};
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-#pragma unroll
-      for (int np = 0; np < kBlockK / 16; ++np) {
-        uint32_t kb[4];
-        ldsm_x4(kb, sK + swz<HD>(np * 16 + ln.b_row(), kc * 16 + ln.b_col()));
-        mma(s[2 * np], qf[kc], kb[0], kb[1]);
-        mma(s[2 * np + 1], qf[kc], kb[2], kb[3]);
-      }
-    }
-    if ((j + 1) * kBlockK - 1 > q0) {  // the block crosses the diagonal for some row
-#pragma unroll
-      for (int nt = 0; nt < kBlockK / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (j * kBlockK + nt * 8 + 2 * t + (e & 1) > row_lo + (e >> 1) * 8) s[nt][e] = -INFINITY;
-    }
-
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = m[half];
-#pragma unroll
-      for (int nt = 0; nt < kBlockK / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mx_scaled = mx * scale_log2;
-      const float corr = exp2f(m[half] * scale_log2 - mx_scaled);
-      m[half] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kBlockK / 8; ++nt) {
-        s[nt][2 * half] = exp2f(s[nt][2 * half] * scale_log2 - mx_scaled);
-        s[nt][2 * half + 1] = exp2f(s[nt][2 * half + 1] * scale_log2 - mx_scaled);
-        sum += s[nt][2 * half] + s[nt][2 * half + 1];
-      }
-      l[half] = l[half] * corr + sum;
-#pragma unroll
-      for (int nt = 0; nt < HD / 8; ++nt) {
-        o[nt][2 * half] *= corr;
-        o[nt][2 * half + 1] *= corr;
-      }
-    }
-
-    cp_async_wait<0>();
-    __syncthreads();  // V_j landed; every warp is done with K_j
-    if (j + 1 < n_kblocks) load_tile<kBlockK, HD>(sK, k_src, qkv_dim, (j + 1) * kBlockK, T);
-    cp_async_commit();
-
-#pragma unroll
-    for (int kc = 0; kc < kBlockK / 16; ++kc) {
-      const uint32_t pa[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
-                              pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                              pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-#pragma unroll
-      for (int np = 0; np < HD / 16; ++np) {
-        uint32_t vb[4];
-        ldsm_x4_trans(vb, sV + swz<HD>(kc * 16 + ln.bt_row(), np * 16 + ln.bt_col()));
-        mma(o[2 * np], pa, vb[0], vb[1]);
-        mma(o[2 * np + 1], pa, vb[2], vb[3]);
-      }
-    }
-  }
-
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-    const int row = row_lo + half * 8;
-    if (t == 0 && row < T)
-      lse[(static_cast<size_t>(b) * n_head + h) * T + row] = (m[half] * scale_log2 + log2f(l[half])) / kLog2e;
-  }
-  const size_t out_stride = static_cast<size_t>(n_head) * HD;
-  store_warp_rows<HD>(o, 1.f / l[0], 1.f / l[1], q_tile, warp * 16,
-                      out + static_cast<size_t>(b) * T * out_stride + static_cast<size_t>(h) * HD, out_stride,
-                      q0 + warp * 16, T);
 }
 
 // D[b, h, t] = sum_d dO * O (fp32), one warp per (token, head) row; also clears the dQ accumulator.
@@ -344,7 +212,9 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv
   const Lane ln;
   const int key_lo = k0 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
   float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
-  constexpr int kDqCols = HD / kWarps;  // dQ columns owned by this warp
+  // dQ = dS K of a step (kStepQ x HD) is split over the warps as a grid of 4 column strips x row strips.
+  constexpr int kDqCols = HD / 4, kDqRows = kStepQ * 4 / kWarps;
+  const int dq_row0 = (warp / 4) * kDqRows, dq_col0 = (warp % 4) * kDqCols;
 
   for (int step = 0; step < n_steps; ++step) {
     const int buf = step & 1;
@@ -440,17 +310,17 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv
 
     // dQ[:, warp's columns] += dS K, added into the fp32 accumulator.
     {
-      float dq[kStepQ / 16][kDqCols / 8][4] = {};
+      float dq[kDqRows / 16][kDqCols / 8][4] = {};
 #pragma unroll
       for (int kc = 0; kc < kBlockK / 16; ++kc) {
         uint32_t kb[kDqCols / 16][4];
 #pragma unroll
         for (int np = 0; np < kDqCols / 16; ++np)
-          ldsm_x4_trans(kb[np], sK + swz<HD>(kc * 16 + ln.bt_row(), warp * kDqCols + np * 16 + ln.bt_col()));
+          ldsm_x4_trans(kb[np], sK + swz<HD>(kc * 16 + ln.bt_row(), dq_col0 + np * 16 + ln.bt_col()));
 #pragma unroll
-        for (int mt = 0; mt < kStepQ / 16; ++mt) {
+        for (int mt = 0; mt < kDqRows / 16; ++mt) {
           uint32_t da[4];
-          ldsm_x4_trans(da, sdS + swz<kStepQ>(kc * 16 + ln.at_row(), mt * 16 + ln.at_col()));
+          ldsm_x4_trans(da, sdS + swz<kStepQ>(kc * 16 + ln.at_row(), dq_row0 + mt * 16 + ln.at_col()));
 #pragma unroll
           for (int np = 0; np < kDqCols / 16; ++np) {
             mma(dq[mt][2 * np], da, kb[np][0], kb[np][1]);
@@ -458,12 +328,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv
           }
         }
       }
-      float* dq_head = dq_accum + (static_cast<size_t>(b) * n_head + h) * T * HD + warp * kDqCols;
+      float* dq_head = dq_accum + (static_cast<size_t>(b) * n_head + h) * T * HD + dq_col0;
 #pragma unroll
-      for (int mt = 0; mt < kStepQ / 16; ++mt)
+      for (int mt = 0; mt < kDqRows / 16; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int q = q0 + mt * 16 + g + half * 8;
+          const int q = q0 + dq_row0 + mt * 16 + g + half * 8;
           if (q < T) {
 #pragma unroll
             for (int nt = 0; nt < kDqCols / 8; ++nt)
@@ -498,29 +368,10 @@ __global__ void attention_backward_epilogue_kernel(bf16* dqkv, const float* dq_a
   *reinterpret_cast<uint4*>(dqkv + bt * (static_cast<size_t>(n_head + 2 * n_kv_head) * HD) + col) = packed;
 }
 
-void validate(const AttentionShape& s) {
-  if (s.B <= 0 || s.T <= 0 || s.n_head <= 0 || s.n_kv_head <= 0 || s.n_head % s.n_kv_head != 0)
-    throw std::invalid_argument("attention: bad shape B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) +
-                                " n_head=" + std::to_string(s.n_head) + " n_kv_head=" + std::to_string(s.n_kv_head) +
-                                " (n_kv_head must divide n_head)");
-  if (s.head_dim != 64 && s.head_dim != 128)
-    throw std::invalid_argument("attention: head_dim=" + std::to_string(s.head_dim) + " unsupported (64 or 128)");
-}
-
 constexpr size_t kWorkspaceAlign = 256;
 size_t dq_accum_bytes(const AttentionShape& s) {
   const size_t bytes = static_cast<size_t>(s.B) * s.n_head * s.T * s.head_dim * sizeof(float);
   return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
-}
-
-template <int HD>
-void forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& s, cudaStream_t stream) {
-  constexpr int kSmem = (kBlockQ + 2 * kBlockK) * HD * 2;
-  CUDA_CHECK(cudaFuncSetAttribute(attention_forward_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid(s.B * s.n_head, (s.T + kBlockQ - 1) / kBlockQ);
-  attention_forward_kernel<HD><<<grid, kThreads, kSmem, stream>>>(out, lse, qkv, s.T, s.n_head, s.n_kv_head,
-                                                                  kLog2e / std::sqrt(static_cast<float>(HD)));
-  CUDA_CHECK_LAUNCH();
 }
 
 template <int HD>
@@ -549,22 +400,14 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
 
 }  // namespace
 
-void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& shape, cudaStream_t stream) {
-  validate(shape);
-  if (shape.head_dim == 64)
-    forward<64>(out, lse, qkv, shape, stream);
-  else
-    forward<128>(out, lse, qkv, shape, stream);
-}
-
 size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
-  validate(shape);
+  validate_attention_shape(shape);
   return dq_accum_bytes(shape) + static_cast<size_t>(shape.B) * shape.n_head * shape.T * sizeof(float);
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         void* workspace, const AttentionShape& shape, cudaStream_t stream) {
-  validate(shape);
+  validate_attention_shape(shape);
   if (shape.head_dim == 64)
     backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream);
   else
