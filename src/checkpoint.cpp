@@ -284,6 +284,9 @@ ModelConfig parse_config(const std::string& path) {
     in.require("activation_function", activation == "gelu_new" || activation == "gelu_pytorch_tanh",
                "must be gelu_new (GELU, tanh approximation), got " + activation);
     in.require("tie_word_embeddings", in.get_bool("tie_word_embeddings", true), "must be true for gpt2");
+    in.require("scale_attn_weights", in.get_bool("scale_attn_weights", true), "must be true (scores / sqrt(hd))");
+    in.require("scale_attn_by_inverse_layer_idx", !in.get_bool("scale_attn_by_inverse_layer_idx", false),
+               "must be false");
     c.tied_head = true;
   } else if (model_type == "llama") {
     c.arch = Arch::Llama;

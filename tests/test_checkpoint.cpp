@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -123,7 +125,9 @@ void expect_same_config(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.max_seq_len, b.max_seq_len);
   EXPECT_EQ(a.norm_eps, b.norm_eps);
   EXPECT_EQ(a.tied_head, b.tied_head);
-  if (a.arch == Arch::Llama) EXPECT_EQ(a.rope_theta, b.rope_theta);
+  if (a.arch == Arch::Llama) {
+    EXPECT_EQ(a.rope_theta, b.rope_theta);
+  }
 }
 
 // Saves a random model with random optimizer state; returns the parameters.
@@ -575,6 +579,18 @@ TEST(Checkpoint, ErrorsNameTheFile) {
   restore();
   EXPECT_NO_THROW(load());
   expect_error([&] { coda::load_checkpoint(tmp / "nowhere"); }, {"nowhere"});
+
+  const std::string gpt2_dir = tmp / "gpt2";
+  save_random(gpt2_dir, gpt2_config(), 43);
+  const std::string gpt2_config_path = gpt2_dir + "/config.json";
+  edited = nlohmann::json::parse(read_bytes(gpt2_config_path));
+  edited["scale_attn_by_inverse_layer_idx"] = true;
+  write_bytes(gpt2_config_path, edited.dump());
+  expect_error([&] { coda::load_checkpoint(gpt2_dir); }, {gpt2_config_path, "scale_attn_by_inverse_layer_idx"});
+  edited.erase("scale_attn_by_inverse_layer_idx");
+  edited["activation_function"] = "relu";
+  write_bytes(gpt2_config_path, edited.dump());
+  expect_error([&] { coda::load_checkpoint(gpt2_dir); }, {gpt2_config_path, "activation_function", "relu"});
 }
 
 TEST(Checkpoint, AtomicReplace) {
@@ -595,4 +611,16 @@ TEST(Checkpoint, AtomicReplace) {
   EXPECT_EQ(files, (std::vector<std::string>{"config.json", "model.safetensors", "optimizer.safetensors",
                                              "trainer_state.json"}));
   expect_round_trip(dir, second);
+}
+
+// A tool more than a test: with CODA_HF_EXPORT_DIR set, writes tiny random GPT-2 and Llama (GQA, untied
+// head) checkpoints there for scripts/hf_check.py to load with transformers; skipped otherwise.
+TEST(HfExport, TinyModels) {
+  const char* out = std::getenv("CODA_HF_EXPORT_DIR");
+  if (!out) GTEST_SKIP() << "set CODA_HF_EXPORT_DIR to export tiny checkpoints for scripts/hf_check.py";
+  for (const auto& [name, config, seed] : {std::make_tuple("gpt2", gpt2_config(), 61),
+                                           std::make_tuple("llama", llama_config(false), 62)}) {
+    const std::string dir = std::string(out) + "/" + name;
+    expect_round_trip(dir, save_random(dir, config, seed));
+  }
 }
