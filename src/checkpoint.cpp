@@ -434,6 +434,8 @@ std::vector<HfTensor> hf_tensors(const ModelConfig& c, const ParamLayout& layout
 
 void save_checkpoint(const std::string& dir, const ModelConfig& model, const float* params, const float* adam_m,
                      const float* adam_v, const TrainerState& state) {
+  if (!params || !adam_m || !adam_v)
+    throw std::invalid_argument(dir + ": save_checkpoint needs params, adam_m and adam_v (got a null pointer)");
   const ParamLayout layout = make_param_layout(model);
   const fs::path final_dir = normalized(dir);
   const fs::path tmp = final_dir.string() + ".tmp", old = final_dir.string() + ".old";
