@@ -1,0 +1,417 @@
+// Backward of causal grouped-query attention, FlashAttention-2 style, on tensor cores (mma.sync
+// m16n8k16, bf16 operands, fp32 accumulate). Contract and layouts: attention.cuh; forward:
+// attention_forward.cu (it saves lse, the natural-log sum-exp of each query's scaled scores).
+//
+// D = rowsum(dO * O) first (one small kernel; it also clears the fp32 dQ accumulator). Then one thread
+// block = one kv head x one block of 64 keys (16 per warp, 4 warps); it loops over every query head of
+// the kv head's group and every query block at or below the diagonal (blocks above it are skipped),
+// 64 queries at a time:
+//     P^T  = exp(scale*S^T - lse)         S^T = K Q^T (keys x queries, warp-local rows)
+//     dV  += P^T dO
+//     dP^T = V dO^T
+//     dS^T = P^T * (dP^T - D)
+//     dK  += dS^T Q                         (times scale at the end)
+//     dQ  += dS K                           (dS^T goes through shared memory; fp32 atomics into a buffer)
+// Summing over the group's query heads inside the block gives dK, dV of a kv head without atomics; dQ
+// is shared between kv blocks, hence the fp32 accumulator, converted (times scale) into dqkv at the end.
+// P^T and dS^T stay in registers as mma accumulators and are re-packed to bf16 as the A operand of the
+// next product. The Q/dO tiles of the next step are loaded (cp.async, double-buffered) while the
+// current one computes. Key blocks are scheduled by increasing key index (most query blocks first).
+//
+// Tails: tiles are loaded with zero fill past row T. Zero keys past T are masked by causality for every
+// real query; query rows past T have zero dO and D, so they contribute nothing to dK, dV, and their dQ
+// is never stored.
+//
+// Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled by the row (chunk ^ row%8), so the
+// 8 row addresses of every ldmatrix (and the bf16x2 stores of dS) hit distinct banks.
+#include "kernels/attention/attention.cuh"
+#include "kernels/attention/attention_device.cuh"
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda_check.cuh"
+
+namespace coda {
+namespace {
+
+using namespace attention_detail;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBlockK = 16 * kWarps;  // keys per block (16 per warp)
+constexpr int kStepQ = 64;    // queries per inner step
+
+// Byte offset of element (row, col) of a swizzled row-major bf16 tile with COLS columns.
+template <int COLS>
+__device__ __forceinline__ uint32_t swz(int row, int col) {
+  static_assert(COLS == 64 || COLS == 128, "tile rows are 128 or 256 bytes");
+  return static_cast<uint32_t>((row * COLS + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7)) * 2);
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b, m16n8k16, a row-major 16x16, b "column" 16x8, c 16x8 fp32.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Lane addresses for ldmatrix.x4 (lane l, i = l / 8 picks the 8x8 matrix, r = l % 8 its row). Operands of
+// m16n8k16: A is m x k (16x16), B is k x n (16 x 16 = two n8 tiles, fragments b[0],b[1] | b[2],b[3]).
+//   A from a tile stored [m][k] (plain):      row m = r + (i%2)*8, col k = (i/2)*8
+//   A from a tile stored [k][m] (transposed): row k = r + (i/2)*8, col m = (i%2)*8
+//   B from a tile stored [n][k] (plain):      row n = r + (i/2)*8, col k = (i%2)*8
+//   B from a tile stored [k][n] (transposed): row k = r + (i%2)*8, col n = (i/2)*8
+struct Lane {
+  int r, i;
+  __device__ Lane() : r(threadIdx.x & 7), i((threadIdx.x >> 3) & 3) {}
+  __device__ int a_row() const { return r + (i & 1) * 8; }
+  __device__ int a_col() const { return (i >> 1) * 8; }
+  __device__ int at_row() const { return r + (i >> 1) * 8; }
+  __device__ int at_col() const { return (i & 1) * 8; }
+  __device__ int b_row() const { return r + (i >> 1) * 8; }
+  __device__ int b_col() const { return (i & 1) * 8; }
+  __device__ int bt_row() const { return r + (i & 1) * 8; }
+  __device__ int bt_col() const { return (i >> 1) * 8; }
+};
+
+// Loads rows [row0, row0 + ROWS) x COLS of a strided bf16 matrix with `rows` rows into a swizzled tile;
+// rows past the end are zero-filled (their source address is clamped to a valid row).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile(uint32_t tile, const bf16* src, size_t stride, int row0, int rows) {
+  constexpr int kChunks = COLS / 8;
+  for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const int row = row0 + r;
+    const bool valid = row < rows;
+    cp_async_16(tile + swz<COLS>(r, col), src + static_cast<size_t>(valid ? row : rows - 1) * stride + col, valid);
+  }
+}
+
+// Writes one warp's 16 x HD accumulator (fragments acc[n-tile][4], times `scale`) as bf16 into rows
+// [row0, row0+16) of a swizzled tile, then copies those rows to global rows [grow0, ...) < rows with
+// 16-byte stores. Only this warp's rows of the tile are touched.
+template <int HD>
+__device__ __forceinline__ void store_warp_rows(const float (&acc)[HD / 8][4], float scale_lo, float scale_hi,
+                                                unsigned char* tile, int row0, bf16* dst, size_t stride, int grow0,
+                                                int rows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < HD / 8; ++nt) {
+    *reinterpret_cast<uint32_t*>(tile + swz<HD>(row0 + g, nt * 8 + 2 * t)) =
+        pack_bf16(acc[nt][0] * scale_lo, acc[nt][1] * scale_lo);
+    *reinterpret_cast<uint32_t*>(tile + swz<HD>(row0 + g + 8, nt * 8 + 2 * t)) =
+        pack_bf16(acc[nt][2] * scale_hi, acc[nt][3] * scale_hi);
+  }
+  __syncwarp();
+  constexpr int kChunks = HD / 8;
+#pragma unroll
+  for (int c = lane; c < 16 * kChunks; c += 32) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    if (grow0 + r < rows)
+      *reinterpret_cast<int4*>(dst + static_cast<size_t>(grow0 + r) * stride + col) =
+          *reinterpret_cast<const int4*>(tile + swz<HD>(row0 + r, col));
+  }
+}
+
+// D[b, h, t] = sum_d dO * O (fp32), one warp per (token, head) row; also clears the dQ accumulator.
+template <int HD>
+__global__ void attention_backward_prologue_kernel(float* dsum, float* dq_accum, const bf16* dout, const bf16* out,
+                                                   int B, int T, int n_head) {
+  const size_t row = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // (b*T + t)*n_head + h
+  const int lane = threadIdx.x & 31;
+  if (row >= static_cast<size_t>(B) * T * n_head) return;
+  constexpr int kPerLane = HD / 32;
+  const bf16* o_row = out + row * HD + lane * kPerLane;
+  const bf16* d_row = dout + row * HD + lane * kPerLane;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; i += 2) {
+    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o_row + i));
+    const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d_row + i));
+    acc += o.x * d.x + o.y * d.y;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  const size_t bt = row / n_head, b = bt / T, t = bt % T, h = row % n_head;
+  const size_t head_row = (b * n_head + h) * T + t;  // [B, n_head, T]
+  if (lane == 0) dsum[head_row] = acc;
+  float* dq = dq_accum + head_row * HD + lane * kPerLane;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) dq[i] = 0.f;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv, float* dq_accum, const bf16* dout,
+                                                                       const bf16* qkv, const float* lse,
+                                                                       const float* dsum, int T, int n_head,
+                                                                       int n_kv_head, float scale_log2) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kTileKV = kBlockK * HD * 2, kTileQ = kStepQ * HD * 2, kTileS = kBlockK * kStepQ * 2;
+  unsigned char* k_tile = smem;
+  unsigned char* v_tile = smem + kTileKV;
+  const uint32_t sK = smem_addr(smem), sV = sK + kTileKV, sQ0 = sV + kTileKV, sdO0 = sQ0 + 2 * kTileQ,
+                 sdS = sdO0 + 2 * kTileQ, sStat0 = sdS + kTileS;  // stats: [buf][lse | D][kStepQ] fp32
+  const float* stats = reinterpret_cast<const float*>(smem + 2 * kTileKV + 4 * kTileQ + kTileS);
+
+  const int group = n_head / n_kv_head;
+  const int b = blockIdx.x / n_kv_head, kvh = blockIdx.x % n_kv_head;
+  const int k0 = blockIdx.y * kBlockK;  // small key blocks (most queries) first
+  const size_t qkv_dim = static_cast<size_t>(n_head + 2 * n_kv_head) * HD;
+  const size_t out_dim = static_cast<size_t>(n_head) * HD;
+  const bf16* seq = qkv + static_cast<size_t>(b) * T * qkv_dim;
+  const bf16* dout_seq = dout + static_cast<size_t>(b) * T * out_dim;
+  const int first_step = k0 / kStepQ, steps_per_head = (T + kStepQ - 1) / kStepQ - first_step;
+  const int n_steps = group * steps_per_head;
+
+  auto load_step = [&](int step, int buf) {
+    const int h = kvh * group + step / steps_per_head, q0 = (first_step + step % steps_per_head) * kStepQ;
+    load_tile<kStepQ, HD>(sQ0 + buf * kTileQ, seq + static_cast<size_t>(h) * HD, qkv_dim, q0, T);
+    load_tile<kStepQ, HD>(sdO0 + buf * kTileQ, dout_seq + static_cast<size_t>(h) * HD, out_dim, q0, T);
+    const size_t head_row0 = (static_cast<size_t>(b) * n_head + h) * T;
+    for (int i = threadIdx.x; i < 2 * kStepQ; i += kThreads) {
+      const int q = q0 + (i % kStepQ);
+      const float* src = (i < kStepQ ? lse : dsum) + head_row0 + (q < T ? q : T - 1);
+      cp_async_4(sStat0 + (buf * 2 * kStepQ + i) * 4, src, q < T);
+    }
+  };
+
+  load_tile<kBlockK, HD>(sK, seq + static_cast<size_t>(n_head + kvh) * HD, qkv_dim, k0, T);
+  load_tile<kBlockK, HD>(sV, seq + static_cast<size_t>(n_head + n_kv_head + kvh) * HD, qkv_dim, k0, T);
+  load_step(0, 0);
+  cp_async_commit();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const Lane ln;
+  const int key_lo = k0 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
+  float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
+  // dQ = dS K of a step (kStepQ x HD) is split over the warps as a grid of 4 column strips x row strips.
+  constexpr int kDqCols = HD / 4, kDqRows = kStepQ * 4 / kWarps;
+  const int dq_row0 = (warp / 4) * kDqRows, dq_col0 = (warp % 4) * kDqCols;
+
+  for (int step = 0; step < n_steps; ++step) {
+    const int buf = step & 1;
+    if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // this step's Q, dO, lse, D landed
+    const int h = kvh * group + step / steps_per_head, q0 = (first_step + step % steps_per_head) * kStepQ;
+    const uint32_t sQ = sQ0 + buf * kTileQ, sdO = sdO0 + buf * kTileQ;
+    const float* s_lse = stats + buf * 2 * kStepQ;
+    const float* s_d = s_lse + kStepQ;
+
+    // S^T = K Q^T, then P^T in place.
+    float p[kStepQ / 8][4] = {};
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      uint32_t ka[4];
+      ldsm_x4(ka, sK + swz<HD>(warp * 16 + ln.a_row(), kc * 16 + ln.a_col()));
+#pragma unroll
+      for (int np = 0; np < kStepQ / 16; ++np) {
+        uint32_t qb[4];
+        ldsm_x4(qb, sQ + swz<HD>(np * 16 + ln.b_row(), kc * 16 + ln.b_col()));
+        mma(p[2 * np], ka, qb[0], qb[1]);
+        mma(p[2 * np + 1], ka, qb[2], qb[3]);
+      }
+    }
+    const bool diagonal = q0 < k0 + kBlockK - 1;
+#pragma unroll
+    for (int nt = 0; nt < kStepQ / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = nt * 8 + 2 * t + (e & 1);
+        const float v = exp2f(p[nt][e] * scale_log2 - s_lse[qi] * kLog2e);
+        p[nt][e] = (diagonal && key_lo + (e >> 1) * 8 > q0 + qi) ? 0.f : v;
+      }
+
+    // dV += P^T dO
+#pragma unroll
+    for (int kc = 0; kc < kStepQ / 16; ++kc) {
+      const uint32_t pa[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]), pack_bf16(p[2 * kc][2], p[2 * kc][3]),
+                              pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
+                              pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+#pragma unroll
+      for (int np = 0; np < HD / 16; ++np) {
+        uint32_t ob[4];
+        ldsm_x4_trans(ob, sdO + swz<HD>(kc * 16 + ln.bt_row(), np * 16 + ln.bt_col()));
+        mma(dv[2 * np], pa, ob[0], ob[1]);
+        mma(dv[2 * np + 1], pa, ob[2], ob[3]);
+      }
+    }
+
+    // dP^T = V dO^T, then dS^T = P^T (dP^T - D) into p.
+    {
+      float dp[kStepQ / 8][4] = {};
+#pragma unroll
+      for (int kc = 0; kc < HD / 16; ++kc) {
+        uint32_t va[4];
+        ldsm_x4(va, sV + swz<HD>(warp * 16 + ln.a_row(), kc * 16 + ln.a_col()));
+#pragma unroll
+        for (int np = 0; np < kStepQ / 16; ++np) {
+          uint32_t ob[4];
+          ldsm_x4(ob, sdO + swz<HD>(np * 16 + ln.b_row(), kc * 16 + ln.b_col()));
+          mma(dp[2 * np], va, ob[0], ob[1]);
+          mma(dp[2 * np + 1], va, ob[2], ob[3]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kStepQ / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[nt][e] *= dp[nt][e] - s_d[nt * 8 + 2 * t + (e & 1)];
+    }
+
+    // dK += dS^T Q; dS^T (bf16) also goes to shared memory for dQ.
+#pragma unroll
+    for (int kc = 0; kc < kStepQ / 16; ++kc) {
+      const uint32_t da[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]), pack_bf16(p[2 * kc][2], p[2 * kc][3]),
+                              pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
+                              pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+      unsigned char* ds_tile = smem + (sdS - sK);
+      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g, kc * 16 + 2 * t)) = da[0];
+      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g + 8, kc * 16 + 2 * t)) = da[1];
+      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g, kc * 16 + 8 + 2 * t)) = da[2];
+      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g + 8, kc * 16 + 8 + 2 * t)) = da[3];
+#pragma unroll
+      for (int np = 0; np < HD / 16; ++np) {
+        uint32_t qb[4];
+        ldsm_x4_trans(qb, sQ + swz<HD>(kc * 16 + ln.bt_row(), np * 16 + ln.bt_col()));
+        mma(dk[2 * np], da, qb[0], qb[1]);
+        mma(dk[2 * np + 1], da, qb[2], qb[3]);
+      }
+    }
+    __syncthreads();  // dS^T complete
+
+    // dQ[:, warp's columns] += dS K, added into the fp32 accumulator.
+    {
+      float dq[kDqRows / 16][kDqCols / 8][4] = {};
+#pragma unroll
+      for (int kc = 0; kc < kBlockK / 16; ++kc) {
+        uint32_t kb[kDqCols / 16][4];
+#pragma unroll
+        for (int np = 0; np < kDqCols / 16; ++np)
+          ldsm_x4_trans(kb[np], sK + swz<HD>(kc * 16 + ln.bt_row(), dq_col0 + np * 16 + ln.bt_col()));
+#pragma unroll
+        for (int mt = 0; mt < kDqRows / 16; ++mt) {
+          uint32_t da[4];
+          ldsm_x4_trans(da, sdS + swz<kStepQ>(kc * 16 + ln.at_row(), dq_row0 + mt * 16 + ln.at_col()));
+#pragma unroll
+          for (int np = 0; np < kDqCols / 16; ++np) {
+            mma(dq[mt][2 * np], da, kb[np][0], kb[np][1]);
+            mma(dq[mt][2 * np + 1], da, kb[np][2], kb[np][3]);
+          }
+        }
+      }
+      float* dq_head = dq_accum + (static_cast<size_t>(b) * n_head + h) * T * HD + dq_col0;
+#pragma unroll
+      for (int mt = 0; mt < kDqRows / 16; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int q = q0 + dq_row0 + mt * 16 + g + half * 8;
+          if (q < T) {
+#pragma unroll
+            for (int nt = 0; nt < kDqCols / 8; ++nt)
+              atomicAdd(reinterpret_cast<float2*>(dq_head + static_cast<size_t>(q) * HD + nt * 8 + 2 * t),
+                        make_float2(dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]));
+          }
+        }
+    }
+    __syncthreads();  // every warp is done with this step's buffers and dS^T
+  }
+
+  const float scale = scale_log2 / kLog2e;
+  bf16* dseq = dqkv + static_cast<size_t>(b) * T * qkv_dim;
+  store_warp_rows<HD>(dk, scale, scale, k_tile, warp * 16, dseq + static_cast<size_t>(n_head + kvh) * HD, qkv_dim,
+                      k0 + warp * 16, T);
+  store_warp_rows<HD>(dv, 1.f, 1.f, v_tile, warp * 16, dseq + static_cast<size_t>(n_head + n_kv_head + kvh) * HD,
+                      qkv_dim, k0 + warp * 16, T);
+}
+
+// dqkv[:, q heads] = scale * dQ accumulator ([B, n_head, T, HD] fp32), 8 elements per thread.
+template <int HD>
+__global__ void attention_backward_epilogue_kernel(bf16* dqkv, const float* dq_accum, int B, int T, int n_head,
+                                                   int n_kv_head, float scale) {
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // chunk of 8 in [B, T, n_head, HD]
+  if (i >= static_cast<size_t>(B) * T * n_head * HD / 8) return;
+  const size_t col = (i * 8) % (static_cast<size_t>(n_head) * HD), bt = (i * 8) / (static_cast<size_t>(n_head) * HD);
+  const size_t h = col / HD, d = col % HD, b = bt / T, t = bt % T;
+  const float4* src = reinterpret_cast<const float4*>(dq_accum + ((b * n_head + h) * T + t) * HD + d);
+  const float4 lo = src[0], hi = src[1];
+  const uint4 packed = make_uint4(pack_bf16(lo.x * scale, lo.y * scale), pack_bf16(lo.z * scale, lo.w * scale),
+                                  pack_bf16(hi.x * scale, hi.y * scale), pack_bf16(hi.z * scale, hi.w * scale));
+  *reinterpret_cast<uint4*>(dqkv + bt * (static_cast<size_t>(n_head + 2 * n_kv_head) * HD) + col) = packed;
+}
+
+constexpr size_t kWorkspaceAlign = 256;
+size_t dq_accum_bytes(const AttentionShape& s) {
+  const size_t bytes = static_cast<size_t>(s.B) * s.n_head * s.T * s.head_dim * sizeof(float);
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+template <int HD>
+void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, void* workspace,
+              const AttentionShape& s, cudaStream_t stream) {
+  float* dq_accum = static_cast<float*>(workspace);
+  float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
+  const size_t rows = static_cast<size_t>(s.B) * s.T * s.n_head;
+  attention_backward_prologue_kernel<HD>
+      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(dsum, dq_accum, dout, out, s.B, s.T, s.n_head);
+  CUDA_CHECK_LAUNCH();
+
+  constexpr int kSmem = (2 * kBlockK * HD + 4 * kStepQ * HD + kBlockK * kStepQ) * 2 + 4 * kStepQ * 4;
+  CUDA_CHECK(cudaFuncSetAttribute(attention_backward_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const dim3 grid(s.B * s.n_kv_head, (s.T + kBlockK - 1) / kBlockK);
+  const float scale = 1.f / std::sqrt(static_cast<float>(HD));
+  attention_backward_kernel<HD><<<grid, kThreads, kSmem, stream>>>(dqkv, dq_accum, dout, qkv, lse, dsum, s.T, s.n_head,
+                                                                   s.n_kv_head, scale * kLog2e);
+  CUDA_CHECK_LAUNCH();
+
+  const size_t chunks = rows * HD / 8;
+  attention_backward_epilogue_kernel<HD><<<static_cast<unsigned>((chunks + 255) / 256), 256, 0, stream>>>(
+      dqkv, dq_accum, s.B, s.T, s.n_head, s.n_kv_head, scale);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
+  validate_attention_shape(shape);
+  return dq_accum_bytes(shape) + static_cast<size_t>(shape.B) * shape.n_head * shape.T * sizeof(float);
+}
+
+void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
+                        void* workspace, const AttentionShape& shape, cudaStream_t stream) {
+  validate_attention_shape(shape);
+  if (shape.head_dim == 64)
+    backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream);
+  else
+    backward<128>(dqkv, dout, qkv, out, lse, workspace, shape, stream);
+}
+
+}  // namespace coda

@@ -1,0 +1,347 @@
+// Forward of causal grouped-query attention for Hopper (sm_90a), FlashAttention-3 shaped: TMA loads,
+// wgmma tensor-core products, a producer warp and two consumer warpgroups. Contract: attention.cuh;
+// backward: attention_backward.cu.
+//
+// One thread block = one query head x 128 query rows. Warpgroup 0 is the producer: one thread issues
+// TMA loads of the Q tile once and of the K and V tiles (128 keys) of every key block from key 0 up to the
+// diagonal (blocks above it are never touched) into a ring of shared-memory stages (2 for hd 128, 3 for
+// hd 64), each stage guarded by "K full", "V full" and "empty" mbarriers. Warpgroups 1 and 2 each own 64
+// query rows and, per key block, run the online softmax of FlashAttention in fp32 registers:
+//     S = Q K^T (wgmma, A and B from shared memory),  m' = max(m, rowmax S),  P = exp(scale*(S - m')),
+//     l' = l exp(scale*(m - m')) + rowsum P,  O' = O exp(scale*(m - m')) + P V (wgmma, A = P from registers)
+// then release the stage. Exponentials are exp2 with log2(e) folded into the scale. The S accumulator
+// fragment, re-packed to bf16, is exactly wgmma's register-A fragment, so P never touches shared memory.
+// While one consumer warpgroup does its softmax the other one's products keep the tensor cores busy.
+// At the end O / l is written as bf16 (staged through the warpgroup's rows of the Q tile for 16-byte
+// stores) and lse = scale*m + ln l. Key blocks start at key 0, so every row sees a finite maximum in its
+// first block (key 0 is visible to every query) and no -inf - -inf occurs. Query blocks are scheduled
+// longest (most key blocks) first.
+//
+// Shared-memory tiles are what TMA writes with 128-byte swizzle: HD/64 boxes of [rows][64] bf16, row r at
+// byte r*128 of its box, 16-byte chunk c at position c ^ (r % 8). wgmma reads them through descriptors:
+// Q and K are K-major (head dim contiguous; stride 1024 bytes between 8-row groups, k steps of 16 advance
+// the start by 32 bytes inside the swizzle row), V is MN-major for P V (head dim = N contiguous; 1024
+// bytes between 8-key groups, one box of keys between 64-column blocks). qkv is described to TMA as a 3-D
+// tensor [B][T][qkv_dim], so rows past T of a sequence are zero-filled: zero keys past T are masked by
+// causality for every real query, and query rows past T are never stored.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/attention/attention.cuh"
+#include "kernels/attention/attention_device.cuh"
+#include "kernels/cuda_check.cuh"
+
+namespace coda {
+namespace {
+
+using namespace attention_detail;
+
+constexpr int kRows = 128;  // query rows per block, 64 per consumer warpgroup
+constexpr int kKeys = 128;  // keys per pipeline stage
+constexpr int kThreads = 384;
+
+template <int HD>
+struct Layout {
+  static constexpr int kStages = HD == 128 ? 2 : 3;
+  static constexpr int kQBytes = kRows * HD * 2, kKVBytes = kKeys * HD * 2;
+  static constexpr int kK = kQBytes, kV = kK + kStages * kKVBytes, kBar = kV + kStages * kKVBytes;
+  static constexpr int kSmem = kBar + 8 * (1 + 3 * kStages) + 1024;  // + slack to align the base to 1024
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
+          dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle: start, leading and stride byte offsets.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// d (m64 x n128, fp32) = A * B + (accumulate ? d : 0); A, B K-major in shared memory (descriptors).
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// d (m64 x n64, fp32) += A * B; A in registers (4 x bf16x2 per thread), B MN-major in shared memory.
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// d (m64 x n128, fp32) += A * B; A in registers (4 x bf16x2 per thread), B MN-major in shared memory.
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+template <int HD>
+__device__ __forceinline__ void wgmma_pv(float (&o)[HD / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (HD == 128)
+    wgmma_rs_n128(o, a, desc_b);
+  else
+    wgmma_rs_n64(o, a, desc_b);
+}
+
+// Byte offset of (row, col) in a tile stored as HD/64 TMA boxes of [rows][64] bf16 with 128-byte swizzle.
+__device__ __forceinline__ uint32_t box_offset(int rows, int row, int col) {
+  return static_cast<uint32_t>((col >> 6) * rows * 128 + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4) +
+                               (col & 7) * 2);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_forward_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16* out, float* lse, int T,
+                                  int n_head, int n_kv_head, float scale_log2) {
+  using L = Layout<HD>;
+  constexpr int S = L::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t base = smem_addr(smem);
+  const uint32_t bar_q = base + L::kBar, bar_k = bar_q + 8, bar_v = bar_k + 8 * S, bar_empty = bar_v + 8 * S;
+
+  const int n_qblocks = (T + kRows - 1) / kRows;
+  const int q0 = (n_qblocks - 1 - blockIdx.y) * kRows;
+  const int b = blockIdx.x / n_head, h = blockIdx.x % n_head, kvh = h / (n_head / n_kv_head);
+  const int n_kblocks = min((q0 + kRows + kKeys - 1) / kKeys, (T + kKeys - 1) / kKeys);
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(bar_k + 8 * s, 1);
+      mbar_init(bar_v + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(bar_q, L::kQBytes);
+      for (int box = 0; box < HD / 64; ++box) tma_load(base + box * kRows * 128, &qkv_map, bar_q, h * HD + box * 64, q0, b);
+      for (int j = 0; j < n_kblocks; ++j) {
+        const int s = j % S;
+        if (j >= S) mbar_wait(bar_empty + 8 * s, ((j / S) - 1) & 1);
+        mbar_expect_tx(bar_k + 8 * s, L::kKVBytes);
+        for (int box = 0; box < HD / 64; ++box)
+          tma_load(base + L::kK + s * L::kKVBytes + box * kKeys * 128, &qkv_map, bar_k + 8 * s,
+                   (n_head + kvh) * HD + box * 64, j * kKeys, b);
+        mbar_expect_tx(bar_v + 8 * s, L::kKVBytes);
+        for (int box = 0; box < HD / 64; ++box)
+          tma_load(base + L::kV + s * L::kKVBytes + box * kKeys * 128, &qkv_map, bar_v + 8 * s,
+                   (n_head + n_kv_head + kvh) * HD + box * 64, j * kKeys, b);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+
+  const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = q0 + cw * 64;           // this warpgroup's first row
+  const int row_lo = row0 + warp * 16 + g;  // this thread's rows: row_lo, row_lo + 8
+  float o[HD / 2] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  mbar_wait(bar_q, 0);
+
+  for (int j = 0; j < n_kblocks; ++j) {
+    const int s = j % S;
+    const uint32_t parity = (j / S) & 1;
+    float sc[kKeys / 2];
+    mbar_wait(bar_k + 8 * s, parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      const uint32_t box = kk / 4, kbyte = (kk % 4) * 32;
+      wgmma_ss_n128(sc, smem_desc(base + box * kRows * 128 + cw * 64 * 128 + kbyte, 16, 1024),
+                    smem_desc(base + L::kK + s * L::kKVBytes + box * kKeys * 128 + kbyte, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_regs(sc);
+
+    if ((j + 1) * kKeys - 1 > row0) {
+#pragma unroll
+      for (int i = 0; i < kKeys / 2; ++i)
+        if (j * kKeys + 8 * (i >> 2) + 2 * t + (i & 1) > row_lo + 8 * ((i >> 1) & 1)) sc[i] = -INFINITY;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = m[half];
+#pragma unroll
+      for (int i = 0; i < kKeys / 2; i += 4) mx = fmaxf(mx, fmaxf(sc[i + 2 * half], sc[i + 2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mx_scaled = mx * scale_log2;
+      const float corr = exp2f(m[half] * scale_log2 - mx_scaled);
+      m[half] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kKeys / 2; i += 4) {
+        sc[i + 2 * half] = exp2f(sc[i + 2 * half] * scale_log2 - mx_scaled);
+        sc[i + 2 * half + 1] = exp2f(sc[i + 2 * half + 1] * scale_log2 - mx_scaled);
+        sum += sc[i + 2 * half] + sc[i + 2 * half + 1];
+      }
+      l[half] = l[half] * corr + sum;
+#pragma unroll
+      for (int i = 0; i < HD / 2; i += 4) {
+        o[i + 2 * half] *= corr;
+        o[i + 2 * half + 1] *= corr;
+      }
+    }
+    uint32_t pa[kKeys / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; ++kc) {
+      pa[kc][0] = pack_bf16(sc[8 * kc + 0], sc[8 * kc + 1]);
+      pa[kc][1] = pack_bf16(sc[8 * kc + 2], sc[8 * kc + 3]);
+      pa[kc][2] = pack_bf16(sc[8 * kc + 4], sc[8 * kc + 5]);
+      pa[kc][3] = pack_bf16(sc[8 * kc + 6], sc[8 * kc + 7]);
+    }
+
+    mbar_wait(bar_v + 8 * s, parity);
+    fence_regs(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kKeys / 16; ++kc)
+      wgmma_pv<HD>(o, pa[kc], smem_desc(base + L::kV + s * L::kKVBytes + kc * 16 * 128, kKeys * 128, 1024));
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_regs(o);
+    mbar_arrive(bar_empty + 8 * s);
+  }
+
+  // Epilogue: lse, O / l staged (bf16) in this warp's rows of the Q tile, then 16-byte stores.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    const int row = row_lo + half * 8;
+    if (t == 0 && row < T)
+      lse[(static_cast<size_t>(b) * n_head + h) * T + row] = (m[half] * scale_log2 + log2f(l[half])) / kLog2e;
+  }
+  const float inv[2] = {1.f / l[0], 1.f / l[1]};
+  const int tile_row = cw * 64 + warp * 16 + g;
+#pragma unroll
+  for (int i = 0; i < HD / 2; i += 2) {
+    const int half = (i >> 1) & 1, col = 8 * (i >> 2) + 2 * t;
+    *reinterpret_cast<uint32_t*>(smem + box_offset(kRows, tile_row + 8 * half, col)) =
+        pack_bf16(o[i] * inv[half], o[i + 1] * inv[half]);
+  }
+  __syncwarp();
+  const size_t out_stride = static_cast<size_t>(n_head) * HD;
+  bf16* dst = out + static_cast<size_t>(b) * T * out_stride + static_cast<size_t>(h) * HD;
+  constexpr int kChunks = HD / 8;
+#pragma unroll
+  for (int c = lane; c < 16 * kChunks; c += 32) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const int row = row0 + warp * 16 + r;
+    if (row < T)
+      *reinterpret_cast<int4*>(dst + static_cast<size_t>(row) * out_stride + col) =
+          *reinterpret_cast<const int4*>(smem + box_offset(kRows, cw * 64 + warp * 16 + r, col));
+  }
+}
+
+template <int HD>
+void forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& s, cudaStream_t stream) {
+  const uint64_t qkv_dim = static_cast<uint64_t>(s.qkv_dim());
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {qkv_dim, static_cast<cuuint64_t>(s.T), static_cast<cuuint64_t>(s.B)};
+  const cuuint64_t strides[2] = {qkv_dim * 2, qkv_dim * 2 * s.T};
+  const cuuint32_t box[3] = {64, kRows, 1}, elem_strides[3] = {1, 1, 1};
+  // The driver entry point comes through the runtime, so nothing links libcuda (binaries must start, and
+  // list their tests, on machines without a GPU driver).
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || !fn)
+      throw std::runtime_error("attention: driver entry point cuTensorMapEncodeTiled not found");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("attention: cuTensorMapEncodeTiled(qkv) failed with CUresult " + std::to_string(r));
+  constexpr int kSmem = Layout<HD>::kSmem;
+  CUDA_CHECK(cudaFuncSetAttribute(attention_forward_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const dim3 grid(s.B * s.n_head, (s.T + kRows - 1) / kRows);
+  attention_forward_kernel<HD><<<grid, kThreads, kSmem, stream>>>(map, out, lse, s.T, s.n_head, s.n_kv_head,
+                                                                       kLog2e / std::sqrt(static_cast<float>(HD)));
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& shape, cudaStream_t stream) {
+  validate_attention_shape(shape);
+  if (shape.head_dim == 64)
+    forward<64>(out, lse, qkv, shape, stream);
+  else
+    forward<128>(out, lse, qkv, shape, stream);
+}
+}  // namespace coda

@@ -1,0 +1,84 @@
+// The fp32 CPU reference model: GPT-2 and Llama forward and backward built from the ops of ref_ops.hpp.
+// It is the spec of the whole trainer; the GPU backends are tested against its activations, loss and
+// gradients.
+//
+// GPT-2 (per token row; h is the residual stream):
+//   h = wte[token] + wpe[t]
+//   per layer: h += attn_proj(attention(qkv(LN1(h))));  h += mlp_down(GELU(mlp_up(LN2(h))))  (all with bias)
+//   logits = LNf(h) wte^T
+// Llama:
+//   h = wte[token]
+//   per layer: h += attn_proj(attention(RoPE(qkv(RMS1(h)))));  h += mlp_down(SwiGLU(mlp_up(RMS2(h))))
+//   logits = RMSf(h) W^T, W = wte (tied) or lm_head
+// Loss: mean over the B*T tokens of cross-entropy against the targets, over the real vocabulary only.
+//
+// Every activation the backward needs is kept in RefActivations, with the first B*T rows valid after a
+// forward of shape (B, T) (lse is [B, n_head, T] for that B and T).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model.hpp"
+
+namespace coda::ref {
+
+struct RefLayerActivations {
+  std::vector<float> residual_in;   // [N, C] residual stream entering the layer
+  std::vector<float> norm1;         // [N, C] normed input of the qkv projection
+  std::vector<float> norm1_mean;    // [N] LayerNorm mean (GPT-2 only; empty for Llama)
+  std::vector<float> norm1_rstd;    // [N]
+  std::vector<float> qkv;           // [N, qkv_dim] packed q|k|v, after RoPE for Llama
+  std::vector<float> attn_out;      // [N, C] attention output, input of attn_proj
+  std::vector<float> lse;           // [B, n_head, T]
+  std::vector<float> residual_mid;  // [N, C] residual after the attention block
+  std::vector<float> norm2;         // [N, C] normed input of mlp_up
+  std::vector<float> norm2_mean;    // [N] (GPT-2 only)
+  std::vector<float> norm2_rstd;    // [N]
+  std::vector<float> mlp_pre;       // [N, mlp_up_rows] mlp_up output: GELU input, or interleaved (g, u)
+  std::vector<float> mlp_act;       // [N, d_ff] GELU / SwiGLU output, input of mlp_down
+};
+
+struct RefActivations {
+  std::vector<RefLayerActivations> layers;
+  std::vector<float> residual_final;  // [N, C] residual stream after the last layer
+  std::vector<float> normf;           // [N, C] final norm output, input of the LM head
+  std::vector<float> normf_mean;      // [N] (GPT-2 only)
+  std::vector<float> normf_rstd;      // [N]
+  std::vector<float> logits;          // [N, padded_vocab]; padded columns are logits of zero rows
+  std::vector<float> losses;          // [N] per-token cross-entropy (valid when targets were given)
+};
+
+class RefModel {
+ public:
+  // Parameters start at zero; call init(seed) or fill params directly.
+  RefModel(const ModelConfig& config, int max_batch, int max_seq_len);
+
+  void init(uint64_t seed);  // init_params() of model.hpp
+  void zero_grad();
+
+  // Runs the forward pass of B sequences of T tokens (host arrays of B*T ids). With targets, computes
+  // the per-token losses and returns their mean; without (null), returns NaN and only the logits are
+  // meaningful. Throws std::invalid_argument on a shape beyond the limits or a token out of range.
+  float forward(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // Adds d(grad_scale * mean_loss)/d(params) into grads, for the last forward (which had targets).
+  void backward(float grad_scale);
+
+  const ModelConfig config;
+  const ParamLayout layout;
+  std::vector<float> params;  // flat, layout order, layout.total elements
+  std::vector<float> grads;   // same layout
+  RefActivations acts;
+
+ private:
+  const float* param(size_t offset) const { return offset == kAbsent ? nullptr : params.data() + offset; }
+  float* grad(size_t offset) { return offset == kAbsent ? nullptr : grads.data() + offset; }
+
+  int max_batch_, max_seq_len_;
+  int B_ = 0, T_ = 0;
+  bool have_targets_ = false;
+  std::vector<int32_t> tokens_, targets_;
+  // Backward scratch, [N, width] each.
+  std::vector<float> d_residual_, d_norm_, d_qkv_, d_attn_out_, d_mlp_pre_, d_mlp_act_, d_logits_;
+};
+
+}  // namespace coda::ref

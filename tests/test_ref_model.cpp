@@ -1,0 +1,302 @@
+// Tests of the CPU reference model (ref_model.hpp), the CPU backend and CPU AdamW: whole-model gradients
+// against central differences of the loss for both architectures (GQA and an untied head for Llama),
+// the padded vocabulary, causality, determinism, the Backend contract, a hand-computed AdamW update
+// and a few optimizer steps that must lower the loss.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "adamw.hpp"
+#include "backend.hpp"
+#include "ref_gradcheck.hpp"
+#include "ref_model.hpp"
+#include "rng.hpp"
+
+namespace {
+
+using coda::Arch;
+using coda::ModelConfig;
+using coda::ParamTensor;
+using coda::Rng;
+using coda::test::grad_matches;
+using coda::test::random_vector;
+namespace ref = coda::ref;
+
+ModelConfig gpt2_config() {
+  ModelConfig c;
+  c.arch = Arch::GPT2;
+  c.n_layer = 2;
+  c.d_model = 32;
+  c.n_head = 4;
+  c.n_kv_head = 4;
+  c.d_ff = 128;
+  c.vocab_size = 100;  // padded to 128
+  c.max_seq_len = 7;   // so every wpe row is used by the T = 7 batches below
+  return c;
+}
+
+ModelConfig llama_config() {
+  ModelConfig c;
+  c.arch = Arch::Llama;
+  c.n_layer = 2;
+  c.d_model = 32;
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.d_ff = 48;
+  c.vocab_size = 100;
+  c.max_seq_len = 16;
+  c.rope_theta = 1000.0f;
+  c.tied_head = false;
+  return c;
+}
+
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+
+Batch random_batch(int B, int T, int V, Rng& rng) {
+  Batch batch{std::vector<int32_t>(B * T), std::vector<int32_t>(B * T)};
+  for (int n = 0; n < B * T; ++n) {
+    batch.tokens[n] = static_cast<int32_t>(rng.below(V));
+    batch.targets[n] = static_cast<int32_t>(rng.below(V));
+  }
+  return batch;
+}
+
+// Rows of a tensor that carry real parameters (the padded vocabulary rows stay zero).
+size_t real_rows(const ParamTensor& tensor, const ModelConfig& c) {
+  return tensor.name == "wte" || tensor.name == "lm_head" ? c.vocab_size : static_cast<size_t>(tensor.shape[0]);
+}
+
+// Parameters of a trained-looking scale, so every path carries signal: matrices ~ 1/sqrt(fan-in),
+// norm gains around 1, non-zero biases, O(1) logits.
+void randomize(ref::RefModel& model, Rng& rng) {
+  for (const ParamTensor& tensor : model.layout.tensors) {
+    const size_t cols = tensor.shape.size() > 1 ? tensor.shape[1] : 1;
+    const bool norm_gain = tensor.name.find("norm") != std::string::npos && tensor.name.back() == 'w';
+    const bool vector = tensor.shape.size() == 1;
+    const bool embedding = tensor.name == "wte" || tensor.name == "wpe" || tensor.name == "lm_head";
+    const float stddev = norm_gain || vector ? 0.2f : embedding ? 0.4f : 0.7f / std::sqrt(static_cast<float>(cols));
+    for (size_t i = 0; i < real_rows(tensor, model.config) * cols; ++i)
+      model.params[tensor.offset + i] = (norm_gain ? 1.0f : 0.0f) + stddev * static_cast<float>(rng.normal());
+  }
+}
+
+// Central differences of the mean loss (summed in double) on random elements of EVERY tensor.
+void check_model_gradient(const ModelConfig& config, uint64_t seed) {
+  Rng rng(seed);
+  const int B = 2, T = 7;
+  ref::RefModel model(config, B, T);
+  randomize(model, rng);
+  const Batch batch = random_batch(B, T, config.vocab_size, rng);
+  model.zero_grad();
+  model.forward(batch.tokens.data(), batch.targets.data(), B, T);
+  model.backward(1.0f);
+  auto loss = [&] {
+    model.forward(batch.tokens.data(), batch.targets.data(), B, T);
+    double sum = 0.0;
+    for (int n = 0; n < B * T; ++n) sum += model.acts.losses[n];
+    return sum / (B * T);
+  };
+  for (const ParamTensor& tensor : model.layout.tensors) {
+    const size_t cols = tensor.shape.size() > 1 ? tensor.shape[1] : 1;
+    std::vector<size_t> indices;
+    for (size_t k : coda::test::sample_indices(real_rows(tensor, config) * cols, 8, rng))
+      indices.push_back(tensor.offset + k);
+    EXPECT_TRUE(grad_matches(tensor.name, model.params.data(), model.grads, loss, 1e-2f, indices, 1e-2));
+  }
+}
+
+TEST(RefModel, Gpt2GradientMatchesFiniteDifferences) { check_model_gradient(gpt2_config(), 21); }
+TEST(RefModel, LlamaGqaUntiedGradientMatchesFiniteDifferences) { check_model_gradient(llama_config(), 22); }
+
+// Padded vocabulary rows and the alignment padding between tensors never receive gradient.
+TEST(RefModel, PaddingGetsNoGradient) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+    Rng rng(23);
+    ref::RefModel model(config, 2, 7);
+    randomize(model, rng);
+    const Batch batch = random_batch(2, 7, config.vocab_size, rng);
+    model.zero_grad();
+    model.forward(batch.tokens.data(), batch.targets.data(), 2, 7);
+    model.backward(1.0f);
+    std::vector<bool> real(model.layout.total, false);
+    for (const ParamTensor& tensor : model.layout.tensors) {
+      const size_t cols = tensor.shape.size() > 1 ? tensor.shape[1] : 1;
+      for (size_t i = 0; i < real_rows(tensor, config) * cols; ++i) real[tensor.offset + i] = true;
+    }
+    size_t nonzero_real = 0;
+    for (size_t i = 0; i < model.layout.total; ++i) {
+      if (real[i])
+        nonzero_real += model.grads[i] != 0.0f;
+      else
+        ASSERT_EQ(model.grads[i], 0.0f) << "padding element " << i;
+    }
+    EXPECT_GT(nonzero_real, model.layout.num_parameters() / 2);
+  }
+}
+
+// The logits of position t depend on tokens 0..t only.
+TEST(RefModel, Causal) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+    Rng rng(24);
+    const int B = 2, T = 7, Vp = config.padded_vocab();
+    ref::RefModel model(config, B, T);
+    randomize(model, rng);
+    Batch batch = random_batch(B, T, config.vocab_size, rng);
+    model.forward(batch.tokens.data(), nullptr, B, T);
+    const std::vector<float> before = model.acts.logits;
+    batch.tokens[T + 4] = (batch.tokens[T + 4] + 1) % config.vocab_size;  // sequence 1, position 4
+    model.forward(batch.tokens.data(), nullptr, B, T);
+    for (int n = 0; n < B * T; ++n) {
+      const bool may_change = n >= T + 4;
+      bool changed = false;
+      for (int v = 0; v < Vp; ++v) changed |= model.acts.logits[n * Vp + v] != before[n * Vp + v];
+      EXPECT_EQ(changed, may_change) << arch_name(config.arch) << " row " << n;
+    }
+  }
+}
+
+TEST(RefModel, SameSeedIsBitIdentical) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+    const int B = 2, T = 7;
+    Rng rng(25);
+    const Batch batch = random_batch(B, T, config.vocab_size, rng);
+    auto run = [&](uint64_t seed, std::vector<float>* grads) {
+      ref::RefModel model(config, B, T);
+      model.init(seed);
+      const float loss = model.forward(batch.tokens.data(), batch.targets.data(), B, T);
+      model.backward(1.0f);
+      *grads = model.grads;
+      return loss;
+    };
+    std::vector<float> grads_a, grads_b, grads_c;
+    const float loss_a = run(7, &grads_a), loss_b = run(7, &grads_b), loss_c = run(8, &grads_c);
+    EXPECT_EQ(std::memcmp(&loss_a, &loss_b, sizeof(float)), 0);
+    EXPECT_EQ(grads_a, grads_b);
+    EXPECT_NE(loss_a, loss_c);
+    EXPECT_NEAR(loss_a, std::log(static_cast<float>(config.vocab_size)), 0.1);  // small init: near uniform
+  }
+}
+
+// Backend contract: loss of forward_backward and forward_loss agree, gradients scale with grad_scale and
+// accumulate across calls, last_logits and grad_norm read what the model computed.
+TEST(CpuBackend, Contract) {
+  const ModelConfig config = llama_config();
+  const int B = 3, T = 5, V = config.vocab_size;
+  Rng rng(26);
+  ref::RefModel model(config, B, T);
+  randomize(model, rng);
+  const Batch batch = random_batch(B, T, V, rng);
+  auto backend = coda::make_cpu_backend(config, B, T);
+  EXPECT_EQ(backend->name(), "cpu");
+  backend->load_params(model.params.data());
+  std::vector<float> read(model.layout.total);
+  backend->read_params(read.data());
+  EXPECT_EQ(read, model.params);
+
+  const float loss = model.forward(batch.tokens.data(), batch.targets.data(), B, T);
+  model.zero_grad();
+  model.backward(1.0f);
+  backend->zero_grad();
+  EXPECT_EQ(backend->forward_backward(batch.tokens.data(), batch.targets.data(), B, T, 0.5f), loss);
+  EXPECT_EQ(backend->forward_backward(batch.tokens.data(), batch.targets.data(), B, T, 0.5f), loss);
+  EXPECT_EQ(backend->forward_loss(batch.tokens.data(), batch.targets.data(), B, T), loss);
+  std::vector<float> grads(model.layout.total);
+  backend->read_grads(grads.data());
+  double sum = 0.0, diff = 0.0;  // two halves accumulate to the whole gradient, up to rounding
+  for (size_t i = 0; i < grads.size(); ++i) {
+    sum += static_cast<double>(model.grads[i]) * model.grads[i];
+    diff += (static_cast<double>(grads[i]) - model.grads[i]) * (grads[i] - model.grads[i]);
+  }
+  EXPECT_LT(std::sqrt(diff / sum), 1e-6);
+  EXPECT_NEAR(backend->grad_norm(), std::sqrt(sum), 1e-6 * std::sqrt(sum));
+
+  std::vector<float> last(B * V);
+  backend->last_logits(batch.tokens.data(), B, T, last.data());
+  for (int b = 0; b < B; ++b)
+    for (int v = 0; v < V; ++v)
+      ASSERT_EQ(last[b * V + v], model.acts.logits[((b * T + T - 1) * config.padded_vocab()) + v]);
+
+  EXPECT_THROW(backend->forward_loss(batch.tokens.data(), batch.targets.data(), B, T + 1), std::invalid_argument);
+  std::vector<int32_t> bad = batch.tokens;
+  bad[2] = V;
+  EXPECT_THROW(backend->forward_loss(bad.data(), batch.targets.data(), B, T), std::invalid_argument);
+}
+
+// Two AdamW steps on a few elements against the formula evaluated in double, with the decay mask.
+TEST(AdamW, MatchesHandComputedUpdate) {
+  const ModelConfig config = llama_config();
+  const coda::ParamLayout layout = coda::make_param_layout(config);
+  Rng rng(27);
+  const size_t n = layout.total;
+  auto params = random_vector(n, rng, 0.5f), grads1 = random_vector(n, rng), grads2 = random_vector(n, rng);
+  std::vector<float> m(n, 0.0f), v(n, 0.0f);
+  const auto initial = params;
+  coda::AdamWHyper hyper;
+  hyper.lr = 0.01f;
+  hyper.beta1 = 0.8f;
+  hyper.beta2 = 0.9f;
+  hyper.eps = 1e-6f;
+  hyper.weight_decay = 0.2f;
+  const float grad_scale = 0.5f;
+  coda::adamw_update(layout, params.data(), grads1.data(), m.data(), v.data(), hyper, 1, grad_scale);
+  coda::adamw_update(layout, params.data(), grads2.data(), m.data(), v.data(), hyper, 2, grad_scale);
+
+  struct Element {
+    const char* tensor;
+    size_t index;
+    bool decays;
+  };
+  for (const Element& e : {Element{"h.0.qkv_w", 5, true}, Element{"lm_head", 77, true},
+                           Element{"h.1.norm2_w", 3, false}, Element{"wte", 40, false}}) {
+    const ParamTensor& tensor = layout.find(e.tensor);
+    ASSERT_EQ(tensor.weight_decay, e.decays) << e.tensor;
+    const size_t i = tensor.offset + e.index;
+    double p = initial[i], mom = 0.0, var = 0.0;
+    for (int step = 1; step <= 2; ++step) {
+      const double g = grad_scale * static_cast<double>(step == 1 ? grads1[i] : grads2[i]);
+      mom = hyper.beta1 * mom + (1.0 - hyper.beta1) * g;
+      var = hyper.beta2 * var + (1.0 - hyper.beta2) * g * g;
+      const double m_hat = mom / (1.0 - std::pow(hyper.beta1, step)), v_hat = var / (1.0 - std::pow(hyper.beta2, step));
+      p -= hyper.lr * (m_hat / (std::sqrt(v_hat) + hyper.eps) + (e.decays ? hyper.weight_decay * p : 0.0));
+    }
+    EXPECT_NEAR(params[i], p, 1e-6) << e.tensor;
+    EXPECT_NEAR(m[i], mom, 1e-6) << e.tensor;
+    EXPECT_NEAR(v[i], var, 1e-6) << e.tensor;
+  }
+  // Alignment padding after a norm gain (32 elements, aligned to 64) is left alone.
+  const ParamTensor& norm = layout.find("h.0.norm1_w");
+  ASSERT_LT(norm.numel, coda::kParamAlign);
+  EXPECT_EQ(params[norm.offset + norm.numel], initial[norm.offset + norm.numel]);
+  EXPECT_EQ(m[norm.offset + norm.numel], 0.0f);
+  EXPECT_THROW(coda::adamw_update(layout, params.data(), grads1.data(), m.data(), v.data(), hyper, 0, 1.0f),
+               std::invalid_argument);
+}
+
+// A few AdamW steps on one fixed batch must fit it: the loss falls well below its starting value.
+TEST(CpuBackend, AdamWStepsLowerTheLossOnAFixedBatch) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+    const int B = 2, T = 7;
+    Rng rng(28);
+    const Batch batch = random_batch(B, T, config.vocab_size, rng);
+    ref::RefModel init(config, B, T);
+    init.init(28);
+    auto backend = coda::make_cpu_backend(config, B, T);
+    backend->load_params(init.params.data());
+    coda::AdamWHyper hyper;
+    hyper.lr = 1e-2f;
+    std::vector<float> losses;
+    for (int step = 1; step <= 12; ++step) {
+      backend->zero_grad();
+      losses.push_back(backend->forward_backward(batch.tokens.data(), batch.targets.data(), B, T, 1.0f));
+      backend->adamw_step(hyper, step, 1.0f);
+    }
+    for (size_t k = 1; k < losses.size(); ++k) EXPECT_LT(losses[k], losses[k - 1]) << "step " << k + 1;
+    EXPECT_LT(losses.back(), 0.7f * losses.front());
+  }
+}
+
+}  // namespace
