@@ -164,6 +164,7 @@ void CudaBackend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&scratch_.norm_partials, unfused::norm_backward_partials_floats(c.d_model), scratch);
   plan.reserve(&scratch_.column_sums.partials, unfused::column_sum_partials_floats(max_cols), scratch);
   plan.reserve(&scratch_.column_sums.tickets, unfused::column_sum_tickets(max_cols), scratch);
+  scratch_.column_sums.max_cols = max_cols;
   plan.reserve(&scratch_.sumsq_partials, unfused::grad_sumsq_partials_floats(), scratch);
   plan.reserve(&scratch_.sumsq_ticket, 1, scratch);
   plan.reserve(&scratch_.sumsq, 1, scratch);

@@ -2,18 +2,24 @@
 // llama3.2-1b (B=8, T=2048), against a device-to-device copy measured in the same run.
 //
 // Bytes are the tensors each kernel must read and write, each counted once (a gathered embedding row
-// once per token, a parameter vector once). Every launch is timed alone with CUDA events, after a 512 MB
-// memset that evicts the L2 (so no run reads its inputs from the previous run's cache), 5 warm-up and
-// 25 timed launches; the median is reported. Target: >= 80% of 4.2 TB/s (ANCHORS.md) for each kernel.
+// once per token, a parameter vector once). Two timings per kernel, both medians after warm-up:
+//  * back-to-back (the headline, how a training step runs them): 12 launches in a row between two
+//    events, divided by 12; the launches rotate over enough copies of the inputs (>= 200 MB in all)
+//    that no launch finds its inputs in the 50 MB L2;
+//  * isolated: one launch between two events after a 512 MB memset that evicts the L2; this adds the
+//    launch latency (a few microseconds), which dominates the smallest kernels.
+// Target: back-to-back >= 80% of 4.2 TB/s (ANCHORS.md) for each kernel.
 //
 // Usage: bench_unfused_kernels [gpt2|llama|all]
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda_check.cuh"
@@ -80,6 +86,9 @@ class Pool {
   uint32_t seed_ = 1;
 };
 
+// Copies of an input, enough that rotating over them defeats the L2 (at least 200 MB in all, at most 4).
+int input_sets(double input_bytes) { return std::max(1, std::min(4, static_cast<int>(std::ceil(200e6 / input_bytes)))); }
+
 struct Timer {
   Timer() {
     CUDA_CHECK(cudaEventCreate(&start));
@@ -91,41 +100,57 @@ struct Timer {
     cudaEventDestroy(stop);
     cudaFree(flush);
   }
-  // Median milliseconds of one launch.
-  double median_ms(const std::function<void()>& launch) {
-    std::vector<double> ms;
-    for (int i = 0; i < kWarmup + kTimed; ++i) {
+  double elapsed_ms() {
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return ms;
+  }
+  static double median(std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  }
+  // Median milliseconds of one launch, isolated (after an L2 flush) and back-to-back.
+  std::pair<double, double> measure(const std::function<void(int)>& launch, int sets) {
+    std::vector<double> isolated, back_to_back;
+    for (int i = 0; i < 3 + 15; ++i) {
       CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes));
       CUDA_CHECK(cudaEventRecord(start));
-      launch();
+      launch(i % sets);
       CUDA_CHECK(cudaEventRecord(stop));
-      CUDA_CHECK(cudaEventSynchronize(stop));
-      float elapsed = 0.0f;
-      CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-      if (i >= kWarmup) ms.push_back(elapsed);
+      if (i >= 3) isolated.push_back(elapsed_ms());
     }
-    std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
-    return ms[ms.size() / 2];
+    for (int i = 0; i < 2 + 5; ++i) {
+      CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes));
+      CUDA_CHECK(cudaEventRecord(start));
+      for (int r = 0; r < kBackToBack; ++r) launch(r % sets);
+      CUDA_CHECK(cudaEventRecord(stop));
+      if (i >= 2) back_to_back.push_back(elapsed_ms() / kBackToBack);
+    }
+    return {median(isolated), median(back_to_back)};
   }
   static constexpr size_t kFlushBytes = size_t{512} << 20;
-  static constexpr int kWarmup = 5, kTimed = 25;
+  static constexpr int kBackToBack = 12;
   cudaEvent_t start, stop;
   void* flush = nullptr;
 };
 
 struct Row {
   std::string model, kernel;
-  double bytes, ms;
+  double bytes, isolated_ms, ms;
 };
 
 std::vector<Row> rows;
 
-void report(Timer& timer, const std::string& model, const std::string& kernel, double bytes,
-            const std::function<void()>& launch) {
-  const double ms = timer.median_ms(launch);
-  rows.push_back({model, kernel, bytes, ms});
-  std::printf("%-6s %-34s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%\n", model.c_str(), kernel.c_str(), bytes / 1e6,
-              ms * 1e3, bytes / ms / 1e6, 100.0 * bytes / ms / 1e-3 / kAnchorBytesPerSecond);
+double percent(double bytes, double ms) { return 100.0 * bytes / (ms * 1e-3) / kAnchorBytesPerSecond; }
+
+void report(Timer& timer, const std::string& model, const std::string& kernel, double bytes, int sets,
+            const std::function<void(int)>& launch) {
+  const auto [isolated, ms] = timer.measure(launch, sets);
+  rows.push_back({model, kernel, bytes, isolated, ms});
+  std::printf("%-6s %-36s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%   isolated %9.1f us %6.1f%%\n", model.c_str(),
+              kernel.c_str(), bytes / 1e6, ms * 1e3, bytes / ms / 1e6, percent(bytes, ms), isolated * 1e3,
+              percent(bytes, isolated));
   std::fflush(stdout);
 }
 
@@ -134,36 +159,50 @@ void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig&
   const bool gpt2 = c.arch == coda::Arch::GPT2;
   const int N = B * T, C = c.d_model, F = c.d_ff, U = c.mlp_up_rows(), Q = c.qkv_dim(), V = c.vocab_size,
             Vp = c.padded_vocab(), hd = c.head_dim();
-  const size_t NC = static_cast<size_t>(N) * C;
-  coda::Rng rng(42);
-  std::vector<int32_t> tokens(N), targets(N);
-  for (auto& t : tokens) t = static_cast<int32_t>(rng.below(V));
-  for (auto& t : targets) t = static_cast<int32_t>(rng.below(V));
-  int32_t* d_tokens = pool.upload(tokens);
-  int32_t* d_targets = pool.upload(targets);
+  const size_t NC = static_cast<size_t>(N) * C, NF = static_cast<size_t>(N) * F, NV = static_cast<size_t>(N) * Vp;
+  const auto random_sets = [&](int sets, size_t n, float scale = 1.0f, float offset = 0.0f) {
+    std::vector<bf16*> copies;
+    for (int i = 0; i < sets; ++i) copies.push_back(pool.random<bf16>(n, scale, offset));
+    return copies;
+  };
   const int max_cols = std::max({C, F, Q, U});
   uf::ColumnSumWorkspace ws{pool.alloc<float>(uf::column_sum_partials_floats(max_cols)),
-                            pool.alloc<unsigned int>(uf::column_sum_tickets(max_cols))};
+                            pool.alloc<unsigned int>(uf::column_sum_tickets(max_cols)), max_cols};
   float* norm_partials = pool.alloc<float>(uf::norm_backward_partials_floats(C));
 
-  // Embedding.
+  // Embedding: 4 batches of random tokens (different rows of the table each launch).
+  const int token_sets = 4;
+  coda::Rng rng(42);
+  std::vector<int32_t*> d_tokens;
+  std::vector<int32_t*> d_buckets;
+  std::vector<int> num_buckets;
+  std::vector<int32_t> tokens(N), targets(N);
+  for (int i = 0; i < token_sets; ++i) {
+    for (auto& t : tokens) t = static_cast<int32_t>(rng.below(V));
+    d_tokens.push_back(pool.upload(tokens));
+    const uf::TokenBuckets buckets = uf::group_rows_by_token(tokens.data(), N, V);
+    d_buckets.push_back(pool.upload(buckets.packed));
+    num_buckets.push_back(buckets.num_buckets);
+  }
+  for (auto& t : targets) t = static_cast<int32_t>(rng.below(V));
+  int32_t* d_targets = pool.upload(targets);
   bf16* wte = pool.random<bf16>(static_cast<size_t>(Vp) * C, 0.02f);
   bf16* wpe = gpt2 ? pool.random<bf16>(static_cast<size_t>(T) * C, 0.02f) : nullptr;
   bf16* x = pool.alloc<bf16>(NC);
   const double pos_bytes = gpt2 ? static_cast<double>(T) * C * 2 : 0.0;
-  report(timer, name, "embedding_forward", 4.0 * N + 2.0 * NC * 2 + pos_bytes,
-         [&] { uf::embedding_forward(x, d_tokens, wte, wpe, B, T, C, 0); });
-  const uf::TokenBuckets buckets = uf::group_rows_by_token(tokens.data(), N, V);
-  int32_t* d_buckets = pool.upload(buckets.packed);
+  report(timer, name, "embedding_forward", 4.0 * N + 2.0 * NC * 2 + pos_bytes, token_sets,
+         [&](int s) { uf::embedding_forward(x, d_tokens[s], wte, wpe, B, T, C, 0); });
   float* dwte = pool.alloc<float>(static_cast<size_t>(Vp) * C);
   float* dwpe = gpt2 ? pool.alloc<float>(static_cast<size_t>(T) * C) : nullptr;
-  bf16* dx = pool.random<bf16>(NC);
-  report(timer, name, "embedding_backward (" + std::to_string(buckets.num_buckets) + " ids)",
-         4.0 * buckets.packed.size() + NC * 2.0 + 8.0 * buckets.num_buckets * C + 4.0 * pos_bytes,
-         [&] { uf::embedding_backward(dwte, dwpe, dx, d_buckets, buckets.num_buckets, B, T, C, 0); });
+  const auto dx = random_sets(token_sets, NC);
+  report(timer, name, "embedding_backward (" + std::to_string(num_buckets[0]) + " ids)",
+         4.0 * (3 * N + 1) + NC * 2.0 + 8.0 * num_buckets[0] * C + 4.0 * pos_bytes, token_sets, [&](int s) {
+           uf::embedding_backward(dwte, dwpe, dx[s], d_buckets[s], num_buckets[s], B, T, C, 0);
+         });
 
-  // Norms.
-  bf16* h = pool.random<bf16>(NC, 2.0f);
+  // Norms and the residual add.
+  const auto h = random_sets(input_sets(NC * 2.0), NC, 2.0f);
+  const auto dy = random_sets(input_sets(2.0 * NC * 2), NC);
   bf16* y = pool.alloc<bf16>(NC);
   bf16* w = pool.random<bf16>(C, 0.2f, 1.0f);
   bf16* b = pool.random<bf16>(C, 0.2f);
@@ -171,60 +210,71 @@ void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig&
   float* rstd = pool.alloc<float>(N);
   float* dw = pool.alloc<float>(C);
   float* db = pool.alloc<float>(C);
-  bf16* dy = pool.random<bf16>(NC);
   bf16* dres = pool.random<bf16>(NC);
   const std::string norm = gpt2 ? "layernorm" : "rmsnorm";
-  report(timer, name, norm + "_forward", 2.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, [&] {
-    if (gpt2)
-      uf::layernorm_forward(y, mean, rstd, h, w, b, N, C, 1e-5f, 0);
-    else
-      uf::rmsnorm_forward(y, rstd, h, w, N, C, 1e-5f, 0);
-  });
-  report(timer, name, norm + "_backward (+= dres, dw, db)", 4.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, [&] {
-    if (gpt2)
-      uf::layernorm_backward(dres, dw, db, dy, h, w, mean, rstd, N, C, true, norm_partials, ws, 0);
-    else
-      uf::rmsnorm_backward(dres, dw, dy, h, w, rstd, N, C, true, norm_partials, ws, 0);
-  });
-  report(timer, name, "residual_add", 3.0 * NC * 2, [&] { uf::residual_add(y, h, dy, NC, 0); });
+  report(timer, name, norm + "_forward", 2.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, static_cast<int>(h.size()),
+         [&](int s) {
+           if (gpt2)
+             uf::layernorm_forward(y, mean, rstd, h[s], w, b, N, C, 1e-5f, 0);
+           else
+             uf::rmsnorm_forward(y, rstd, h[s], w, N, C, 1e-5f, 0);
+         });
+  const int pair_sets = static_cast<int>(std::min(h.size(), dy.size()));
+  report(timer, name, norm + "_backward (+= dres, dw, db)", 4.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, pair_sets,
+         [&](int s) {
+           if (gpt2)
+             uf::layernorm_backward(dres, dw, db, dy[s], h[s], w, mean, rstd, N, C, true, norm_partials, ws, 0);
+           else
+             uf::rmsnorm_backward(dres, dw, dy[s], h[s], w, rstd, N, C, true, norm_partials, ws, 0);
+         });
+  report(timer, name, "residual_add", 3.0 * NC * 2, pair_sets, [&](int s) { uf::residual_add(y, h[s], dy[s], NC, 0); });
 
   // MLP activations and biases.
-  const size_t NF = static_cast<size_t>(N) * F;
-  bf16* up = pool.random<bf16>(static_cast<size_t>(N) * U, 2.0f);
+  const auto up = random_sets(input_sets(static_cast<double>(N) * U * 2), static_cast<size_t>(N) * U, 2.0f);
+  const auto d_act = random_sets(input_sets(2.0 * NF * 2), NF);
+  const int mlp_sets = static_cast<int>(std::min(up.size(), d_act.size()));
   bf16* act = pool.alloc<bf16>(NF);
-  bf16* d_act = pool.random<bf16>(NF);
   bf16* d_up = pool.alloc<bf16>(static_cast<size_t>(N) * U);
   if (gpt2) {
     bf16* bias = pool.random<bf16>(F);
     float* dbias = pool.alloc<float>(F);
-    report(timer, name, "bias_add [N, 3072]", 2.0 * NF * 2, [&] { uf::bias_add(up, bias, N, F, 0); });
-    report(timer, name, "bias_add [N, 768]", 2.0 * NC * 2, [&] { uf::bias_add(y, bias, N, C, 0); });
-    report(timer, name, "bias_grad [N, 3072]", NF * 2.0, [&] { uf::column_sum(dbias, d_act, N, F, F, ws, 0); });
-    report(timer, name, "bias_grad [N, 2304]", static_cast<double>(N) * Q * 2,
-           [&] { uf::column_sum(dbias, d_act, N, Q, Q, ws, 0); });
-    report(timer, name, "bias_grad [N, 768]", NC * 2.0, [&] { uf::column_sum(dbias, dy, N, C, C, ws, 0); });
-    report(timer, name, "gelu_forward", 2.0 * NF * 2, [&] { uf::gelu_forward(act, up, NF, 0); });
-    report(timer, name, "gelu_backward", 3.0 * NF * 2, [&] { uf::gelu_backward(d_up, d_act, up, NF, 0); });
+    const auto small = random_sets(input_sets(NC * 2.0), NC);
+    report(timer, name, "bias_add [N, 3072]", 2.0 * NF * 2, static_cast<int>(up.size()),
+           [&](int s) { uf::bias_add(up[s], bias, N, F, 0); });
+    report(timer, name, "bias_add [N, 768]", 2.0 * NC * 2, static_cast<int>(small.size()),
+           [&](int s) { uf::bias_add(small[s], bias, N, C, 0); });
+    report(timer, name, "bias_grad [N, 3072]", NF * 2.0, static_cast<int>(d_act.size()),
+           [&](int s) { uf::column_sum(dbias, d_act[s], N, F, F, ws, 0); });
+    report(timer, name, "bias_grad [N, 2304]", static_cast<double>(N) * Q * 2, static_cast<int>(d_act.size()),
+           [&](int s) { uf::column_sum(dbias, d_act[s], N, Q, Q, ws, 0); });
+    report(timer, name, "bias_grad [N, 768]", NC * 2.0, static_cast<int>(small.size()),
+           [&](int s) { uf::column_sum(dbias, small[s], N, C, C, ws, 0); });
+    report(timer, name, "gelu_forward", 2.0 * NF * 2, static_cast<int>(up.size()),
+           [&](int s) { uf::gelu_forward(act, up[s], NF, 0); });
+    report(timer, name, "gelu_backward", 3.0 * NF * 2, mlp_sets,
+           [&](int s) { uf::gelu_backward(d_up, d_act[s], up[s], NF, 0); });
   } else {
-    report(timer, name, "swiglu_forward", 3.0 * NF * 2, [&] { uf::swiglu_forward(act, up, N, F, 0); });
-    report(timer, name, "swiglu_backward", 5.0 * NF * 2, [&] { uf::swiglu_backward(d_up, d_act, up, N, F, 0); });
+    report(timer, name, "swiglu_forward", 3.0 * NF * 2, static_cast<int>(up.size()),
+           [&](int s) { uf::swiglu_forward(act, up[s], N, F, 0); });
+    report(timer, name, "swiglu_backward", 5.0 * NF * 2, mlp_sets,
+           [&](int s) { uf::swiglu_backward(d_up, d_act[s], up[s], N, F, 0); });
     const std::vector<float2> table = uf::rope_table(T, hd, c.rope_theta);
     float2* d_table = pool.upload(table);
-    bf16* qkv = pool.random<bf16>(static_cast<size_t>(N) * Q);
     const double rotated = static_cast<double>(N) * (c.n_head + c.n_kv_head) * hd;
+    const auto qkv = random_sets(input_sets(2.0 * rotated), static_cast<size_t>(N) * Q);
     report(timer, name, "rope (q and k, in place)", 2.0 * rotated * 2 + table.size() * 8.0,
-           [&] { uf::rope(qkv, d_table, B, T, c.n_head, c.n_kv_head, hd, false, 0); });
+           static_cast<int>(qkv.size()),
+           [&](int s) { uf::rope(qkv[s], d_table, B, T, c.n_head, c.n_kv_head, hd, false, 0); });
   }
 
-  // Cross-entropy.
-  const size_t NV = static_cast<size_t>(N) * Vp;
+  // Cross-entropy (the logits are far larger than the L2: one copy).
   bf16* logits = pool.random<bf16>(NV, 4.0f);
   float* losses = pool.alloc<float>(N);
   float* lse = pool.alloc<float>(N);
-  report(timer, name, "crossentropy_forward", NV * 2.0 + 12.0 * N,
-         [&] { uf::crossentropy_forward(losses, lse, logits, d_targets, N, V, Vp, 0); });
-  report(timer, name, "crossentropy_backward (in place)", 2.0 * NV * 2 + 8.0 * N,
-         [&] { uf::crossentropy_backward(logits, logits, lse, d_targets, 1.0f / N, N, V, Vp, 0); });
+  report(timer, name, "crossentropy_forward", NV * 2.0 + 12.0 * N, 1,
+         [&](int) { uf::crossentropy_forward(losses, lse, logits, d_targets, N, V, Vp, 0); });
+  report(timer, name, "crossentropy_backward (in place)", 2.0 * NV * 2 + 8.0 * N, 1,
+         [&](int) { uf::crossentropy_backward(logits, logits, lse, d_targets, 1.0f / N, N, V, Vp, 0); });
 }
 
 void bench_optimizer(Timer& timer, const std::string& name, const coda::ModelConfig& c) {
@@ -240,10 +290,10 @@ void bench_optimizer(Timer& timer, const std::string& name, const coda::ModelCon
   unsigned int* ticket = pool.alloc<unsigned int>(1);
   float* result = pool.alloc<float>(1);
   int step = 1;
-  report(timer, name, "adamw (" + std::to_string(P / 1000000) + "M params)", 30.0 * P + P / 64.0, [&] {
+  report(timer, name, "adamw (" + std::to_string(P / 1000000) + "M params)", 30.0 * P + P / 64.0, 1, [&](int) {
     uf::adamw(params, params_bf16, m, v, grads, decay, P, {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, step++}, 0);
   });
-  report(timer, name, "grad_sumsq", 4.0 * P, [&] { uf::grad_sumsq(result, grads, P, partials, ticket, 0); });
+  report(timer, name, "grad_sumsq", 4.0 * P, 1, [&](int) { uf::grad_sumsq(result, grads, P, partials, ticket, 0); });
 }
 
 coda::ModelConfig gpt2_124m() {
@@ -280,8 +330,8 @@ int main(int argc, char** argv) {
       CUDA_CHECK(cudaMalloc(&a, bytes));
       CUDA_CHECK(cudaMalloc(&b, bytes));
       CUDA_CHECK(cudaMemset(a, 1, bytes));
-      report(timer, "device", "cudaMemcpy D2D 2 GiB (the ceiling)", 2.0 * bytes,
-             [&] { CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+      report(timer, "device", "cudaMemcpy D2D 2 GiB (the ceiling)", 2.0 * bytes, 1,
+             [&](int) { CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
       cudaFree(a);
       cudaFree(b);
     }
@@ -294,11 +344,11 @@ int main(int argc, char** argv) {
       bench_optimizer(timer, "llama", llama_1b());
     }
     const double copy = rows.front().bytes / rows.front().ms;
-    std::printf("\nsummary: %% of 4.2 TB/s (and of this run's copy); kernels under 80%% of 4.2 TB/s marked *\n");
+    std::printf("\nsummary: back-to-back %% of 4.2 TB/s (of this run's copy; isolated launch); under 80%% marked *\n");
     for (const Row& r : rows) {
-      const double rate = r.bytes / r.ms;
-      std::printf("  %s %-6s %-34s %6.1f%% (%5.1f%% of copy)\n", rate / 1e-3 < 0.8 * kAnchorBytesPerSecond ? "*" : " ",
-                  r.model.c_str(), r.kernel.c_str(), 100.0 * rate / 1e-3 / kAnchorBytesPerSecond, 100.0 * rate / copy);
+      const double pct = percent(r.bytes, r.ms);
+      std::printf("  %s %-6s %-36s %6.1f%% (%5.1f%% of copy; isolated %5.1f%%)\n", pct < 80.0 ? "*" : " ",
+                  r.model.c_str(), r.kernel.c_str(), pct, 100.0 * r.bytes / r.ms / copy, percent(r.bytes, r.isolated_ms));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -2,7 +2,10 @@
 // backward (the framework chain log_softmax -> nll -> backward moves the [N, Vp] tensor twice as often).
 //
 // Forward, one block per row: every thread keeps an online (running max m, sum of exp(x - m)) pair over
-// its 16-byte packets, rescaling once per packet; the pairs meet through warp shuffles and shared memory.
+// its 16-byte packets, four packets (32 values) in flight and one rescale per four packets; exponentials
+// are the hardware exp2 (ex2.approx, relative error about 2^-22) on x log2e - m log2e. Only the last
+// packets of a row, which may hold padded columns, pay for masking. The pairs meet through warp shuffles
+// and shared memory.
 // lse = m + log(sum), loss = lse - x[target]. lse is kept for the backward. Padded columns (>= V) are
 // excluded.
 // Backward, elementwise over the whole [N, Vp] tensor: dlogit = (exp(x - lse) - [j == target]) * dloss,
@@ -18,7 +21,16 @@ namespace coda::unfused {
 namespace {
 
 constexpr int kForwardThreads = 256;
+constexpr int kPacketsInFlight = 4;
+constexpr float kLog2e = 1.4426950408889634f;
 
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Running (max, sum of exp(x - max)) of a thread's share of a row.
 struct MaxSum {
   float m, s;
 };
@@ -26,7 +38,22 @@ struct MaxSum {
 __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
   const float m = fmaxf(a.m, b.m);
   if (m == -INFINITY) return {m, 0.0f};
-  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
+  return {m, a.s * exp2_approx((a.m - m) * kLog2e) + b.s * exp2_approx((b.m - m) * kLog2e)};
+}
+
+// Folds `count` values into acc with one rescale: exp(x - m) = 2^(x log2e - m log2e), one FFMA and one
+// MUFU per value.
+template <int kCount>
+__device__ __forceinline__ void absorb(MaxSum& acc, const float (&v)[kCount]) {
+  float m = acc.m;
+#pragma unroll
+  for (int j = 0; j < kCount; ++j) m = fmaxf(m, v[j]);
+  if (m == -INFINITY) return;
+  acc.s *= exp2_approx((acc.m - m) * kLog2e);
+  acc.m = m;
+  const float shift = m * kLog2e;
+#pragma unroll
+  for (int j = 0; j < kCount; ++j) acc.s += exp2_approx(fmaf(v[j], kLog2e, -shift));
 }
 
 __global__ void __launch_bounds__(kForwardThreads) crossentropy_forward_kernel(float* losses, float* lse_out,
@@ -35,32 +62,29 @@ __global__ void __launch_bounds__(kForwardThreads) crossentropy_forward_kernel(f
   __shared__ MaxSum warp_results[kForwardThreads / 32];
   const int n = blockIdx.x;
   const bf16* row = logits + static_cast<size_t>(n) * Vp;
-  const int packets = Vp / 8;
+  const int packets = Vp / 8, full_packets = V / 8;  // packets entirely inside the real vocabulary
   MaxSum acc{-INFINITY, 0.0f};
-  auto absorb = [&](const float (&v)[8], int col) {
-    float packet_max = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) packet_max = col + j < V ? fmaxf(packet_max, v[j]) : packet_max;
-    if (packet_max == -INFINITY) return;
-    if (packet_max > acc.m) {
-      acc.s *= __expf(acc.m - packet_max);
-      acc.m = packet_max;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc.s += col + j < V ? __expf(v[j] - acc.m) : 0.0f;
-  };
   int k = threadIdx.x;
-  for (; k + 3 * kForwardThreads < packets; k += 4 * kForwardThreads) {
-    float v[4][8];
+  for (; k + (kPacketsInFlight - 1) * kForwardThreads < full_packets; k += kPacketsInFlight * kForwardThreads) {
+    uint4 raw[kPacketsInFlight];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) load_bf16x8(v[u], row + 8 * (k + u * kForwardThreads));
+    for (int u = 0; u < kPacketsInFlight; ++u) raw[u] = load_packet(row + 8 * (k + u * kForwardThreads));
+    float v[8 * kPacketsInFlight];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) absorb(v[u], 8 * (k + u * kForwardThreads));
+    for (int u = 0; u < kPacketsInFlight; ++u) {
+      float p[8];
+      unpack_bf16x8(p, raw[u]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[8 * u + j] = p[j];
+    }
+    absorb(acc, v);
   }
-  for (; k < packets; k += kForwardThreads) {
+  for (; k < packets; k += kForwardThreads) {  // the rest, padded columns masked to -inf
     float v[8];
     load_bf16x8(v, row + 8 * k);
-    absorb(v, 8 * k);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = 8 * k + j < V ? v[j] : -INFINITY;
+    absorb(acc, v);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1)

@@ -12,9 +12,11 @@
 // dx is added to the residual gradient in the same pass (read dx, add, write), the accumulation a
 // framework does in a separate add. A warp owns a row at a time, holding dy and x packed in registers;
 // each warp accumulates its dw/db in its own slice of shared memory (no atomics: a lane owns its columns).
-// At the end the block sums its warps' slices and writes one partial row per block, and column_sum
-// finishes dw/db over the blocks in a fixed order (deterministic). The grid is two blocks per
-// multiprocessor, so the partials are a few hundred rows (about 1% of the bytes of the main pass).
+// At the end the block sums its warps' slices and writes one partial row per block, and one column_sum
+// launch finishes dw (and db) over the blocks in a fixed order (deterministic). The grid fills the
+// device once, so the partials are a few hundred rows (about 1% of the bytes of the main pass).
+// Forward, two rows per warp are loaded together; backward, all three input rows (dy, x, the residual
+// gradient) are requested before the reductions: latency hiding by bytes in flight.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -27,72 +29,93 @@ namespace coda::unfused {
 
 namespace {
 
-constexpr int kMaxC = 4096;
 constexpr int kMaxBackwardBlocks = 1024;
 constexpr int kForwardWarps = 8;
+constexpr int kForwardRows = 2;  // rows per warp, loaded together
+constexpr int kBackwardWarps = 4;
 constexpr size_t kBackwardSmemBudget = 96 * 1024;
 
 template <int kChunks, bool kLayerNorm>
 __global__ void __launch_bounds__(kForwardWarps * 32) norm_forward_kernel(bf16* y, float* mean_out, float* rstd_out,
                                                                           const bf16* x, const bf16* w, const bf16* b,
                                                                           int N, int C, float eps) {
-  const int row = blockIdx.x * kForwardWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (row >= N) return;
+  const int lane = threadIdx.x % 32;
+  const int first_row = (blockIdx.x * kForwardWarps + threadIdx.x / 32) * kForwardRows;
   const int chunks = C / 8;
-  const bf16* xr = x + static_cast<size_t>(row) * C;
-  float v[kChunks][8];
-  float sum = 0.0f;
+  // Both rows' packets are requested before any arithmetic, then the reductions of the two rows
+  // interleave: twice the bytes in flight and half the exposed reduction latency of one row per warp.
+  uint4 raw[kForwardRows][kChunks];
+#pragma unroll
+  for (int r = 0; r < kForwardRows; ++r)
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int k = lane + 32 * i;
+      if (first_row + r < N && k < chunks) raw[r][i] = load_packet(x + static_cast<size_t>(first_row + r) * C + 8 * k);
+    }
+  float mean[kForwardRows], rstd[kForwardRows];
+#pragma unroll
+  for (int r = 0; r < kForwardRows; ++r) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i)
+      if (lane + 32 * i < chunks) {
+        float v[8];
+        unpack_bf16x8(v, raw[r][i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum += v[j];
+      }
+    mean[r] = sum;
+  }
+#pragma unroll
+  for (int r = 0; r < kForwardRows; ++r) mean[r] = kLayerNorm ? warp_sum(mean[r]) / C : 0.0f;
+#pragma unroll
+  for (int r = 0; r < kForwardRows; ++r) {
+    float sumsq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i)
+      if (lane + 32 * i < chunks) {
+        float v[8];
+        unpack_bf16x8(v, raw[r][i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sumsq += (v[j] - mean[r]) * (v[j] - mean[r]);
+      }
+    rstd[r] = sumsq;
+  }
+#pragma unroll
+  for (int r = 0; r < kForwardRows; ++r) rstd[r] = rsqrtf(warp_sum(rstd[r]) / C + eps);
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int k = lane + 32 * i;
-    if (k < chunks) {
-      load_bf16x8(v[i], xr + 8 * k);
+    if (k >= chunks) continue;
+    float wv[8], bv[8];
+    load_bf16x8(wv, w + 8 * k);
+    if (kLayerNorm) load_bf16x8(bv, b + 8 * k);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sum += v[i][j];
+    for (int r = 0; r < kForwardRows; ++r) {
+      if (first_row + r >= N) continue;
+      float v[8];
+      unpack_bf16x8(v, raw[r][i]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean[r]) * rstd[r] * wv[j] + (kLayerNorm ? bv[j] : 0.0f);
+      store_bf16x8(y + static_cast<size_t>(first_row + r) * C + 8 * k, v);
     }
   }
-  const float mean = kLayerNorm ? warp_sum(sum) / C : 0.0f;
-  float sumsq = 0.0f;
+  if (lane == 0)
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i)
-    if (lane + 32 * i < chunks)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sumsq += (v[i][j] - mean) * (v[i][j] - mean);
-  const float rstd = rsqrtf(warp_sum(sumsq) / C + eps);
-  bf16* yr = y + static_cast<size_t>(row) * C;
-#pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const int k = lane + 32 * i;
-    if (k < chunks) {
-      float wv[8], bv[8], out[8];
-      load_bf16x8(wv, w + 8 * k);
-      if (kLayerNorm) load_bf16x8(bv, b + 8 * k);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) out[j] = (v[i][j] - mean) * rstd * wv[j] + (kLayerNorm ? bv[j] : 0.0f);
-      store_bf16x8(yr + 8 * k, out);
-    }
-  }
-  if (lane == 0) {
-    if (kLayerNorm) mean_out[row] = mean;
-    rstd_out[row] = rstd;
-  }
-}
-
-__device__ __forceinline__ void unpack_bf16x8(float (&out)[8], const uint4& raw) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
+    for (int r = 0; r < kForwardRows; ++r)
+      if (first_row + r < N) {
+        if (kLayerNorm) mean_out[first_row + r] = mean[r];
+        rstd_out[first_row + r] = rstd[r];
+      }
 }
 
 // partials: [kStats][gridDim.x][C] (dw partials, then db partials).
 template <int kChunks, bool kLayerNorm>
-__global__ void __launch_bounds__(256) norm_backward_kernel(bf16* dx, float* partials, const bf16* dy, const bf16* x,
-                                                            const bf16* w, const float* mean, const float* rstd,
-                                                            int N, int C, int rows_per_block, bool accumulate) {
+__global__ void __launch_bounds__(kBackwardWarps * 32) norm_backward_kernel(bf16* dx, float* partials, const bf16* dy,
+                                                                            const bf16* x, const bf16* w,
+                                                                            const float* mean, const float* rstd,
+                                                                            int N, int C, int rows_per_block,
+                                                                            bool accumulate) {
   constexpr int kStats = kLayerNorm ? 2 : 1;
   extern __shared__ __align__(16) float stats[];  // [warps][kStats][C]
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -105,13 +128,15 @@ __global__ void __launch_bounds__(256) norm_backward_kernel(bf16* dx, float* par
   const int row_end = min(N, (blockIdx.x + 1) * rows_per_block);
   for (int row = blockIdx.x * rows_per_block + warp; row < row_end; row += warps) {
     const size_t base = static_cast<size_t>(row) * C;
-    uint4 dy_raw[kChunks], x_raw[kChunks];
+    // Every load of the row (dy, x, and the residual gradient it adds to) is issued up front.
+    uint4 dy_raw[kChunks], x_raw[kChunks], dx_raw[kChunks];
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int k = lane + 32 * i;
       if (k < chunks) {
-        dy_raw[i] = *reinterpret_cast<const uint4*>(dy + base + 8 * k);
-        x_raw[i] = *reinterpret_cast<const uint4*>(x + base + 8 * k);
+        dy_raw[i] = load_packet(dy + base + 8 * k);
+        x_raw[i] = load_packet(x + base + 8 * k);
+        if (accumulate) dx_raw[i] = load_packet(dx + base + 8 * k);
       }
     }
     const float mu = kLayerNorm ? mean[row] : 0.0f, r = rstd[row];
@@ -138,12 +163,11 @@ __global__ void __launch_bounds__(256) norm_backward_kernel(bf16* dx, float* par
     for (int i = 0; i < kChunks; ++i) {
       const int k = lane + 32 * i;
       if (k < chunks) {
-        float dyv[8], xv[8], wv[8], out[8];
+        float dyv[8], xv[8], wv[8], out[8], dw[8], db[8];
         unpack_bf16x8(dyv, dy_raw[i]);
         unpack_bf16x8(xv, x_raw[i]);
         load_bf16x8(wv, w + 8 * k);
-        if (accumulate) load_bf16x8(out, dx + base + 8 * k);
-        float dw[8], db[8];
+        if (accumulate) unpack_bf16x8(out, dx_raw[i]);
         load_f32x8(dw, dw_acc + 8 * k);
         if (kLayerNorm) load_f32x8(db, db_acc + 8 * k);
 #pragma unroll
@@ -169,49 +193,43 @@ __global__ void __launch_bounds__(256) norm_backward_kernel(bf16* dx, float* par
   }
 }
 
-// Calls f(std::integral_constant<int, kChunks>) with the smallest supported kChunks that covers C.
-template <typename F>
-void dispatch_chunks(int C, const char* what, F&& f) {
-  if (C % 8 != 0 || C < 8 || C > kMaxC)
-    throw std::invalid_argument(std::string(what) + ": C = " + std::to_string(C) +
-                                " must be a multiple of 8 in [8, 4096]");
-  const int needed = (C / 8 + 31) / 32;
-  if (needed <= 1) return f(std::integral_constant<int, 1>{});
-  if (needed <= 2) return f(std::integral_constant<int, 2>{});
-  if (needed <= 3) return f(std::integral_constant<int, 3>{});
-  if (needed <= 4) return f(std::integral_constant<int, 4>{});
-  if (needed <= 8) return f(std::integral_constant<int, 8>{});
-  return f(std::integral_constant<int, 16>{});
-}
-
 template <bool kLayerNorm>
 void launch_forward(bf16* y, float* mean, float* rstd, const bf16* x, const bf16* w, const bf16* b, int N, int C,
                     float eps, cudaStream_t stream) {
   dispatch_chunks(C, kLayerNorm ? "layernorm_forward" : "rmsnorm_forward", [&](auto chunks) {
     norm_forward_kernel<decltype(chunks)::value, kLayerNorm>
-        <<<blocks_for(N, kForwardWarps), kForwardWarps * 32, 0, stream>>>(y, mean, rstd, x, w, b, N, C, eps);
+        <<<blocks_for(N, kForwardWarps * kForwardRows), kForwardWarps * 32, 0, stream>>>(y, mean, rstd, x, w, b, N,
+                                                                                         C, eps);
     CUDA_CHECK_LAUNCH();
   });
 }
 
+// The grid fills the device once (as many blocks as fit per multiprocessor, given the registers the row
+// data takes), so the per-block dw/db partials stay a few hundred rows.
 template <bool kLayerNorm>
 void launch_backward(bf16* dx, float* dw, float* db, const bf16* dy, const bf16* x, const bf16* w, const float* mean,
                      const float* rstd, int N, int C, bool accumulate, float* partials, const ColumnSumWorkspace& ws,
                      cudaStream_t stream) {
   constexpr int kStats = kLayerNorm ? 2 : 1;
   const size_t row_bytes = static_cast<size_t>(kStats) * C * sizeof(float);
-  const int warps = static_cast<int>(std::max<size_t>(1, std::min<size_t>(8, kBackwardSmemBudget / row_bytes)));
+  const int warps =
+      static_cast<int>(std::max<size_t>(1, std::min<size_t>(kBackwardWarps, kBackwardSmemBudget / row_bytes)));
   const size_t smem = warps * row_bytes;
-  const int blocks = std::max(1, std::min({2 * sm_count(), (N + warps - 1) / warps, kMaxBackwardBlocks}));
-  const int rows_per_block = (N + blocks - 1) / blocks;
+  int blocks = 0;
   dispatch_chunks(C, kLayerNorm ? "layernorm_backward" : "rmsnorm_backward", [&](auto chunks) {
     auto kernel = norm_backward_kernel<decltype(chunks)::value, kLayerNorm>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem));
+    blocks = std::max(1, std::min({std::max(1, per_sm) * sm_count(), (N + warps - 1) / warps, kMaxBackwardBlocks}));
+    const int rows_per_block = (N + blocks - 1) / blocks;
     kernel<<<blocks, warps * 32, smem, stream>>>(dx, partials, dy, x, w, mean, rstd, N, C, rows_per_block, accumulate);
     CUDA_CHECK_LAUNCH();
   });
-  column_sum(dw, partials, blocks, C, C, ws, stream);
-  if (kLayerNorm) column_sum(db, partials + static_cast<size_t>(blocks) * C, blocks, C, C, ws, stream);
+  if (kLayerNorm)
+    column_sum2(dw, partials, db, partials + static_cast<size_t>(blocks) * C, blocks, C, C, ws, stream);
+  else
+    column_sum(dw, partials, blocks, C, C, ws, stream);
 }
 
 }  // namespace

@@ -24,10 +24,12 @@ using bf16 = __nv_bfloat16;
 // ---- column sums (bias gradients, and the finishing step of every per-block partial) -------------------
 // out[j] += sum over n < rows of x[n * ld + j], for j < cols. One launch: blocks write fp32 partials of
 // their row slab to the workspace; the last block of each column tile to finish (an integer ticket, not a
-// float atomic) sums the partials in slab order, so the result is deterministic.
+// float atomic) sums the partials in slab order, so the result is deterministic. column_sum2 does the same
+// for two fp32 matrices of one shape in a single launch.
 struct ColumnSumWorkspace {
   float* partials = nullptr;          // column_sum_partials_floats(max_cols)
   unsigned int* tickets = nullptr;    // column_sum_tickets(max_cols), zeroed once; each launch leaves it zero
+  int max_cols = 0;                   // the widest matrix it serves
 };
 size_t column_sum_partials_floats(int max_cols);
 size_t column_sum_tickets(int max_cols);
@@ -35,6 +37,8 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
                 cudaStream_t stream);
 void column_sum(float* out, const float* x, int rows, int cols, int ld, const ColumnSumWorkspace& ws,
                 cudaStream_t stream);
+void column_sum2(float* out0, const float* x0, float* out1, const float* x1, int rows, int cols, int ld,
+                 const ColumnSumWorkspace& ws, cudaStream_t stream);
 
 // ---- embedding (embedding.cu) --------------------------------------------------------------------------
 // x[b*T + t, :] = wte[tokens[b*T + t], :] (+ wpe[t, :] when wpe is not null)

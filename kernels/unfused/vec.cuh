@@ -9,6 +9,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "kernels/cuda_check.cuh"
 
@@ -16,9 +19,8 @@ namespace coda::unfused {
 
 using bf16 = __nv_bfloat16;
 
-// 8 bf16 values at a 16-byte aligned address, widened to fp32.
-__device__ __forceinline__ void load_bf16x8(float (&out)[8], const bf16* p) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+// A 16-byte packet of 8 bf16 values, widened to fp32.
+__device__ __forceinline__ void unpack_bf16x8(float (&out)[8], const uint4& raw) {
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -27,6 +29,11 @@ __device__ __forceinline__ void load_bf16x8(float (&out)[8], const bf16* p) {
     out[2 * i + 1] = f.y;
   }
 }
+
+__device__ __forceinline__ uint4 load_packet(const bf16* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// 8 bf16 values at a 16-byte aligned address, widened to fp32.
+__device__ __forceinline__ void load_bf16x8(float (&out)[8], const bf16* p) { unpack_bf16x8(out, load_packet(p)); }
 
 // Rounds 8 fp32 values to bf16 (round to nearest even) and stores them at a 16-byte aligned address.
 __device__ __forceinline__ void store_bf16x8(bf16* p, const float (&in)[8]) {
@@ -75,6 +82,23 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
 // Grid size for a launch of `threads` threads in blocks of `block` threads.
 inline unsigned int blocks_for(size_t threads, int block) {
   return static_cast<unsigned int>((threads + block - 1) / block);
+}
+
+// Rows of C values held in registers, one warp per row: each lane owns kChunks packets of 8 (packet
+// lane + 32 i). Calls f(std::integral_constant<int, kChunks>) with the smallest instantiated kChunks that
+// covers C; C must be a multiple of 8 in [8, 4096].
+template <typename F>
+void dispatch_chunks(int C, const char* what, F&& f) {
+  if (C % 8 != 0 || C < 8 || C > 4096)
+    throw std::invalid_argument(std::string(what) + ": C = " + std::to_string(C) +
+                                " must be a multiple of 8 in [8, 4096]");
+  const int needed = (C / 8 + 31) / 32;
+  if (needed <= 1) return f(std::integral_constant<int, 1>{});
+  if (needed <= 2) return f(std::integral_constant<int, 2>{});
+  if (needed <= 3) return f(std::integral_constant<int, 3>{});
+  if (needed <= 4) return f(std::integral_constant<int, 4>{});
+  if (needed <= 8) return f(std::integral_constant<int, 8>{});
+  return f(std::integral_constant<int, 16>{});
 }
 
 // Multiprocessors of the current device (queried once per process), for sizing persistent-style grids.
