@@ -24,41 +24,44 @@ namespace {
 constexpr int kForwardILP = 4;  // packets per thread, their loads issued together
 constexpr int kBackwardWarps = 8;
 
-// Thread i handles packets i, i + stride, ..., kForwardILP of them: the token ids first, then every gather.
+// A persistent grid: thread i handles packets i, i + stride, ... in groups of kForwardILP, the group's
+// token ids first, then all its gathers.
 __global__ void __launch_bounds__(256) embedding_forward_kernel(bf16* __restrict__ x, const int32_t* __restrict__ tokens,
                                                                 const bf16* __restrict__ wte,
                                                                 const bf16* __restrict__ wpe, int N, int T, int C) {
   const int chunks = C / 8;
   const size_t total = static_cast<size_t>(N) * chunks, stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int token[kForwardILP];
+  for (size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; first < total;
+       first += kForwardILP * stride) {
+    int token[kForwardILP];
 #pragma unroll
-  for (int u = 0; u < kForwardILP; ++u) {
-    const size_t idx = first + u * stride;
-    token[u] = idx < total ? tokens[idx / chunks] : 0;
-  }
-  uint4 word[kForwardILP], position[kForwardILP];
-#pragma unroll
-  for (int u = 0; u < kForwardILP; ++u) {
-    const size_t idx = first + u * stride;
-    if (idx >= total) continue;
-    const int n = static_cast<int>(idx / chunks), col = static_cast<int>(idx % chunks) * 8;
-    word[u] = load_packet(wte + static_cast<size_t>(token[u]) * C + col);
-    if (wpe != nullptr) position[u] = load_packet(wpe + static_cast<size_t>(n % T) * C + col);
-  }
-#pragma unroll
-  for (int u = 0; u < kForwardILP; ++u) {
-    const size_t idx = first + u * stride;
-    if (idx >= total) continue;
-    float v[8];
-    unpack_bf16x8(v, word[u]);
-    if (wpe != nullptr) {
-      float p[8];
-      unpack_bf16x8(p, position[u]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] += p[j];
+    for (int u = 0; u < kForwardILP; ++u) {
+      const size_t idx = first + u * stride;
+      token[u] = idx < total ? tokens[idx / chunks] : 0;
     }
-    store_bf16x8(x + 8 * idx, v);
+    uint4 word[kForwardILP], position[kForwardILP];
+#pragma unroll
+    for (int u = 0; u < kForwardILP; ++u) {
+      const size_t idx = first + u * stride;
+      if (idx >= total) continue;
+      const int n = static_cast<int>(idx / chunks), col = static_cast<int>(idx % chunks) * 8;
+      word[u] = load_packet(wte + static_cast<size_t>(token[u]) * C + col);
+      if (wpe != nullptr) position[u] = load_packet(wpe + static_cast<size_t>(n % T) * C + col);
+    }
+#pragma unroll
+    for (int u = 0; u < kForwardILP; ++u) {
+      const size_t idx = first + u * stride;
+      if (idx >= total) continue;
+      float v[8];
+      unpack_bf16x8(v, word[u]);
+      if (wpe != nullptr) {
+        float p[8];
+        unpack_bf16x8(p, position[u]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] += p[j];
+      }
+      store_bf16x8(x + 8 * idx, v);
+    }
   }
 }
 
@@ -129,8 +132,11 @@ void embedding_forward(bf16* x, const int32_t* tokens, const bf16* wte, const bf
   if (C % 8 != 0) throw std::invalid_argument("embedding_forward: C = " + std::to_string(C) + " must be a multiple of 8");
   const size_t packets = static_cast<size_t>(B) * T * (C / 8);
   if (packets == 0) return;
-  embedding_forward_kernel<<<blocks_for((packets + kForwardILP - 1) / kForwardILP, 256), 256, 0, stream>>>(
-      x, tokens, wte, wpe, B * T, T, C);
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, embedding_forward_kernel, 256, 0));
+  const size_t blocks = std::min<size_t>(static_cast<size_t>(std::max(1, per_sm)) * sm_count(),
+                                         blocks_for((packets + kForwardILP - 1) / kForwardILP, 256));
+  embedding_forward_kernel<<<static_cast<unsigned int>(blocks), 256, 0, stream>>>(x, tokens, wte, wpe, B * T, T, C);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -15,8 +15,9 @@
 // At the end the block sums its warps' slices and writes one partial row per block, and one column_sum
 // launch finishes dw (and db) over the blocks in a fixed order (deterministic). The grid fills the
 // device once, so the partials are a few hundred rows (about 1% of the bytes of the main pass).
-// Forward, two rows per warp are loaded together; backward, all three input rows (dy, x, the residual
-// gradient) are requested before the reductions: latency hiding by bytes in flight.
+// Forward, a persistent grid whose warps prefetch their next row while reducing the current one;
+// backward, all three input rows (dy, x, the residual gradient) are requested before the reductions:
+// latency hiding by bytes in flight.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -31,82 +32,69 @@ namespace {
 
 constexpr int kMaxBackwardBlocks = 1024;
 constexpr int kForwardWarps = 8;
-constexpr int kForwardRows = 2;  // rows per warp, loaded together
 constexpr int kBackwardWarps = 4;
 constexpr size_t kBackwardSmemBudget = 96 * 1024;
 
+// A persistent grid (as many blocks as fit, no waves): each warp walks rows warp, warp + all warps, ...,
+// and requests the packets of its next row before it reduces the current one.
 template <int kChunks, bool kLayerNorm>
 __global__ void __launch_bounds__(kForwardWarps * 32) norm_forward_kernel(bf16* y, float* mean_out, float* rstd_out,
                                                                           const bf16* x, const bf16* w, const bf16* b,
                                                                           int N, int C, float eps) {
-  const int lane = threadIdx.x % 32;
-  const int first_row = (blockIdx.x * kForwardWarps + threadIdx.x / 32) * kForwardRows;
+  const int lane = threadIdx.x % 32, all_warps = gridDim.x * kForwardWarps;
   const int chunks = C / 8;
-  // Both rows' packets are requested before any arithmetic, then the reductions of the two rows
-  // interleave: twice the bytes in flight and half the exposed reduction latency of one row per warp.
-  uint4 raw[kForwardRows][kChunks];
-#pragma unroll
-  for (int r = 0; r < kForwardRows; ++r)
+  const auto load_row = [&](uint4 (&raw)[kChunks], int row) {
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int k = lane + 32 * i;
-      if (first_row + r < N && k < chunks) raw[r][i] = load_packet(x + static_cast<size_t>(first_row + r) * C + 8 * k);
+      if (row < N && k < chunks) raw[i] = load_packet(x + static_cast<size_t>(row) * C + 8 * k);
     }
-  float mean[kForwardRows], rstd[kForwardRows];
+  };
+  int row = blockIdx.x * kForwardWarps + threadIdx.x / 32;
+  uint4 next[kChunks];
+  load_row(next, row);
+  for (; row < N; row += all_warps) {
+    uint4 raw[kChunks];
 #pragma unroll
-  for (int r = 0; r < kForwardRows; ++r) {
+    for (int i = 0; i < kChunks; ++i) raw[i] = next[i];
+    load_row(next, row + all_warps);
     float sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < kChunks; ++i)
       if (lane + 32 * i < chunks) {
         float v[8];
-        unpack_bf16x8(v, raw[r][i]);
+        unpack_bf16x8(v, raw[i]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) sum += v[j];
       }
-    mean[r] = sum;
-  }
-#pragma unroll
-  for (int r = 0; r < kForwardRows; ++r) mean[r] = kLayerNorm ? warp_sum(mean[r]) / C : 0.0f;
-#pragma unroll
-  for (int r = 0; r < kForwardRows; ++r) {
+    const float mean = kLayerNorm ? warp_sum(sum) / C : 0.0f;
     float sumsq = 0.0f;
 #pragma unroll
     for (int i = 0; i < kChunks; ++i)
       if (lane + 32 * i < chunks) {
         float v[8];
-        unpack_bf16x8(v, raw[r][i]);
+        unpack_bf16x8(v, raw[i]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) sumsq += (v[j] - mean[r]) * (v[j] - mean[r]);
+        for (int j = 0; j < 8; ++j) sumsq += (v[j] - mean) * (v[j] - mean);
       }
-    rstd[r] = sumsq;
-  }
+    const float rstd = rsqrtf(warp_sum(sumsq) / C + eps);
 #pragma unroll
-  for (int r = 0; r < kForwardRows; ++r) rstd[r] = rsqrtf(warp_sum(rstd[r]) / C + eps);
+    for (int i = 0; i < kChunks; ++i) {
+      const int k = lane + 32 * i;
+      if (k >= chunks) continue;
+      float v[8], wv[8], bv[8];
+      unpack_bf16x8(v, raw[i]);
+      load_bf16x8(wv, w + 8 * k);
+      if (kLayerNorm) load_bf16x8(bv, b + 8 * k);
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const int k = lane + 32 * i;
-    if (k >= chunks) continue;
-    float wv[8], bv[8];
-    load_bf16x8(wv, w + 8 * k);
-    if (kLayerNorm) load_bf16x8(bv, b + 8 * k);
-#pragma unroll
-    for (int r = 0; r < kForwardRows; ++r) {
-      if (first_row + r >= N) continue;
-      float v[8];
-      unpack_bf16x8(v, raw[r][i]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean[r]) * rstd[r] * wv[j] + (kLayerNorm ? bv[j] : 0.0f);
-      store_bf16x8(y + static_cast<size_t>(first_row + r) * C + 8 * k, v);
+      for (int j = 0; j < 8; ++j) v[j] = (v[j] - mean) * rstd * wv[j] + (kLayerNorm ? bv[j] : 0.0f);
+      store_bf16x8(y + static_cast<size_t>(row) * C + 8 * k, v);
+    }
+    if (lane == 0) {
+      if (kLayerNorm) mean_out[row] = mean;
+      rstd_out[row] = rstd;
     }
   }
-  if (lane == 0)
-#pragma unroll
-    for (int r = 0; r < kForwardRows; ++r)
-      if (first_row + r < N) {
-        if (kLayerNorm) mean_out[first_row + r] = mean[r];
-        rstd_out[first_row + r] = rstd[r];
-      }
 }
 
 // partials: [kStats][gridDim.x][C] (dw partials, then db partials).
@@ -197,9 +185,13 @@ template <bool kLayerNorm>
 void launch_forward(bf16* y, float* mean, float* rstd, const bf16* x, const bf16* w, const bf16* b, int N, int C,
                     float eps, cudaStream_t stream) {
   dispatch_chunks(C, kLayerNorm ? "layernorm_forward" : "rmsnorm_forward", [&](auto chunks) {
-    norm_forward_kernel<decltype(chunks)::value, kLayerNorm>
-        <<<blocks_for(N, kForwardWarps * kForwardRows), kForwardWarps * 32, 0, stream>>>(y, mean, rstd, x, w, b, N,
-                                                                                         C, eps);
+    auto kernel = norm_forward_kernel<decltype(chunks)::value, kLayerNorm>;
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kForwardWarps * 32, 0));
+    const int blocks = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(1, per_sm)) * sm_count(),
+                                                         blocks_for(N, kForwardWarps)));
+    if (blocks == 0) return;
+    kernel<<<blocks, kForwardWarps * 32, 0, stream>>>(y, mean, rstd, x, w, b, N, C, eps);
     CUDA_CHECK_LAUNCH();
   });
 }
