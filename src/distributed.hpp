@@ -82,7 +82,8 @@ struct DistContext {
   int world_size = 1;
   int local_rank = 0;
   int local_size = 1;
-  int device = -1;                   // CUDA device selected for this rank (-1: none, CPU run)
+  int device = -1;                   // CUDA device of this rank; -1: not selected (a single process
+                                     // without launcher keeps the default device, or has no GPU)
   Launcher launcher = Launcher::None;
   Bootstrap bootstrap = Bootstrap::Local;
   std::string bootstrap_file;        // Bootstrap::File only
