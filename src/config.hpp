@@ -4,7 +4,10 @@
 // key, a value of the wrong type or out of range is an error that names the key and the file.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "model.hpp"
 
@@ -53,7 +56,21 @@ struct RunConfig {
 // Registers every key of RunConfig as an option of `app` (with its default shown in --help).
 void add_config_options(CLI::App& app, RunConfig& config);
 
-// The effective configuration as a config file that load_config_file() reads back.
+// The effective configuration as a config file that parse_config_text() and --config read back.
 std::string config_to_toml(const RunConfig& config);
+
+// A config text (what config_to_toml writes, or a config file's contents) over the defaults, not yet
+// validated; errors are std::runtime_error starting with label.
+RunConfig parse_config_text(const std::string& text, const std::string& label);
+
+// Builds a fresh App of one command with its options bound to config (add_config_options) and to the
+// command's own variables. A command may replace a key's option with its own of the same name.
+using AppFactory = std::function<std::shared_ptr<CLI::App>(RunConfig& config)>;
+
+// The validated configuration of one command: defaults, then config_file (if not empty), then args (the
+// command line after the subcommand name; it wins). Errors: std::runtime_error "config FILE: ..." for the
+// file, CLI::ParseError for the command line, std::invalid_argument naming the key for invalid values.
+RunConfig resolve_config(const AppFactory& make_app, const std::string& config_file,
+                         const std::vector<std::string>& args);
 
 }  // namespace coda
