@@ -193,7 +193,7 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "out", c.out, "run directory (metrics, config, checkpoints)");
   key("run", "seed", c.seed, "seed of initialisation and data order");
   key("run", "log_every", c.log_every, "console progress every N steps");
-  key("run", "val_every", c.val_every, "validation every N steps (0: only at the end)");
+  key("run", "val_every", c.val_every, "validation every N steps and at the end (0: never)");
   key("run", "val_batches", c.val_batches, "batches per validation");
   key("run", "checkpoint_every", c.checkpoint_every, "checkpoint every N steps (0: only at the end)");
   key("run", "resume", c.resume, "checkpoint directory (or run directory) to continue from");

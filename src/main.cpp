@@ -1,0 +1,131 @@
+// The `coda` executable: CLI11 subcommands train, eval, sample, bench and prepare.
+//
+// train and bench take a config file (--config) plus every config key as a flag. The command line is
+// parsed once here (help, unknown flags, wrong types); resolve_config() then builds the effective
+// configuration from fresh Apps made by the same factory (config.cpp explains the phases).
+// Errors end the program with one line on stderr: "error: ..." and exit code 2 for command-line misuse,
+// 1 for everything else (bad config file, bad values, missing files, failures while running).
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "config.hpp"
+#include "train.hpp"
+
+namespace {
+
+int fail(const std::string& message, int code) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  return code;
+}
+
+void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunConfig& config,
+                 const std::string& json_path) {
+  std::printf("%-16s %14s %12s %8s\n", "backend", "median ms/step", "tokens/s", "MFU");
+  nlohmann::json records = nlohmann::json::array();
+  for (const auto& r : results) {
+    const std::string mfu = r.mfu > 0.0 ? std::to_string(100.0 * r.mfu).substr(0, 5) + "%" : "-";
+    std::printf("%-16s %14.2f %12.0f %8s\n", r.backend.c_str(), r.median_ms, r.tokens_per_s, mfu.c_str());
+    records.push_back({{"backend", r.backend}, {"steps", r.steps}, {"median_ms", r.median_ms},
+                       {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu > 0.0 ? nlohmann::json(r.mfu) : nlohmann::json()},
+                       {"batch_size", config.batch_size}, {"seq_len", config.seq_len}, {"grad_accum", config.grad_accum},
+                       {"arch", coda::arch_name(config.model.arch)}, {"n_layer", config.model.n_layer},
+                       {"d_model", config.model.d_model}});
+  }
+  if (json_path.empty()) return;
+  std::ofstream file(json_path);
+  file << records.dump(2) << "\n";
+  if (!file.flush()) throw std::runtime_error("json " + json_path + ": cannot write");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  spdlog::set_pattern("[%T] %^%v%$");
+  CLI::App app{"coda: a C++/CUDA trainer for GPT-2 and Llama-style Transformers", "coda"};
+  app.require_subcommand(1);
+
+  std::string config_file;
+  const auto add_config_file = [&config_file](CLI::App& command) {
+    command.add_option("--config", config_file, "config file (TOML-style, sections [model] [data] [optim] [run])");
+  };
+  const coda::AppFactory make_train = [&](coda::RunConfig& config) {
+    auto command = std::make_shared<CLI::App>("Train a model: config file, then command-line overrides", "train");
+    add_config_file(*command);
+    coda::add_config_options(*command, config);
+    return command;
+  };
+  int bench_steps = 10, bench_warmup = 2;
+  std::string bench_json;
+  const coda::AppFactory make_bench = [&](coda::RunConfig& config) {
+    auto command = std::make_shared<CLI::App>(
+        "Time training steps of every backend in this build on random tokens of the config's shape", "bench");
+    add_config_file(*command);
+    coda::add_config_options(*command, config);
+    command->remove_option(command->get_option("--steps"));
+    command->add_option("--steps", bench_steps, "timed steps")->capture_default_str()->group("bench");
+    command->add_option("--warmup", bench_warmup, "untimed steps before them")->capture_default_str()->group("bench");
+    command->add_option("--json", bench_json, "also write the results to this JSON file")->group("bench");
+    return command;
+  };
+
+  coda::RunConfig command_line_only;  // the real configuration comes from resolve_config below
+  CLI::App* train_command = app.add_subcommand(make_train(command_line_only));
+  CLI::App* bench_command = app.add_subcommand(make_bench(command_line_only));
+
+  coda::EvalOptions eval_options;
+  CLI::App* eval_command = app.add_subcommand("eval", "Print the loss of a checkpoint on token shards");
+  eval_command->add_option("--checkpoint", eval_options.checkpoint, "checkpoint directory or run directory (newest)")
+      ->required();
+  eval_command->add_option("--data", eval_options.data, "shard glob (default: the run's val_data)");
+  eval_command->add_option("--batches", eval_options.batches, "batches (default: the run's val_batches)");
+  eval_command->add_option("--batch_size", eval_options.batch_size, "sequences per batch (default: the run's)");
+  eval_command->add_option("--seq_len", eval_options.seq_len, "tokens per sequence (default: the run's)");
+  eval_command->add_option("--device", eval_options.device, "auto | cpu | cuda")->capture_default_str();
+
+  coda::SampleOptions sample_options;
+  CLI::App* sample_command = app.add_subcommand("sample", "Generate text from a checkpoint");
+  sample_command->add_option("--checkpoint", sample_options.checkpoint, "checkpoint directory or run directory (newest)")
+      ->required();
+  sample_command->add_option("--prompt", sample_options.prompt, "text (byte tokenizer) or token ids \"15496 11\"")
+      ->required();
+  sample_command->add_option("--tokens", sample_options.tokens, "tokens to generate")->capture_default_str();
+  sample_command->add_option("--temperature", sample_options.temperature, "0: greedy")->capture_default_str();
+  sample_command->add_option("--top_k", sample_options.top_k, "0: whole vocabulary")->capture_default_str();
+  sample_command->add_option("--seed", sample_options.seed, "sampling seed")->capture_default_str();
+  sample_command->add_option("--device", sample_options.device, "auto | cpu | cuda")->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    return fail(std::string(e.what()) + " (see --help)", 2);
+  } catch (const std::exception& e) {
+    return fail(e.what(), 1);
+  }
+
+  // The subcommand is argv[1]: the top level has no options of its own besides --help.
+  const std::vector<std::string> args(argv + 2, argv + argc);
+  try {
+    if (train_command->parsed()) {
+      coda::train(coda::resolve_config(make_train, config_file, args));
+    } else if (bench_command->parsed()) {
+      const coda::RunConfig config = coda::resolve_config(make_bench, config_file, args);
+      print_bench(coda::bench(config, bench_steps, bench_warmup), config, bench_json);
+    } else if (eval_command->parsed()) {
+      std::printf("val_loss %.6f\n", coda::evaluate(eval_options));
+    } else if (sample_command->parsed()) {
+      coda::sample(sample_options, stdout);
+    }
+  } catch (const CLI::ParseError& e) {
+    return fail(std::string(e.what()) + " (see --help)", 2);
+  } catch (const std::exception& e) {
+    return fail(e.what(), 1);
+  }
+  return 0;
+}

@@ -1,0 +1,79 @@
+// The commands of the `coda` executable on top of a Backend: train, eval, sample and bench.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "config.hpp"
+
+namespace coda {
+
+// Learning rate of optimizer step `step` (0-based): linear warmup from lr/warmup_steps to lr over the
+// first warmup_steps steps, then a cosine from lr down to lr * min_lr_ratio at the last step.
+float lr_at(const RunConfig& config, int step);
+
+// The one place that knows which backends this build has: the model of config on config.device
+// ("cpu", "cuda", or "auto": the best one this machine runs) with config.kernels, sized for
+// config.batch_size sequences of config.seq_len tokens.
+std::unique_ptr<Backend> make_backend(const RunConfig& config);
+// (device, kernels) of every backend this build and machine can run: what `coda bench` times.
+std::vector<std::pair<std::string, std::string>> available_backends();
+// Peak dense FLOP/s of the device a backend (by its name()) runs on, for MFU; 0 when unknown.
+double peak_flops(const std::string& backend_name);
+
+// A checkpoint directory, or a run directory: then its newest step_N checkpoint. Throws naming path.
+std::string find_checkpoint(const std::string& path);
+
+struct TrainResult {
+  int step = 0;             // optimizer steps completed
+  float loss = 0.0f;        // training loss of the last step
+  float val_loss = 0.0f;    // last validation loss (NaN when there was none)
+  std::string checkpoint;   // the last checkpoint written
+};
+
+// Trains config (validated) into the run directory config.out:
+//   config.toml     the effective configuration (`coda train --config` reads it back)
+//   metrics.jsonl   one JSON object per step: step, loss, lr, grad_norm, ms, tokens_per_s (+ val_loss)
+//   step_N/         checkpoints (checkpoint.hpp) every checkpoint_every steps and at the end
+// A fresh run refuses a directory that already holds a run; --resume continues one exactly.
+TrainResult train(const RunConfig& config);
+
+struct EvalOptions {
+  std::string checkpoint;   // checkpoint or run directory
+  std::string data;         // shard glob; empty: the val_data of the run that wrote the checkpoint
+  int batches = 0;          // 0: that run's val_batches
+  int batch_size = 0;       // 0: that run's batch_size
+  int seq_len = 0;          // 0: that run's seq_len
+  std::string device = "auto";
+};
+// Mean loss over the first batches of the data (sequential, the way validation reads it).
+float evaluate(const EvalOptions& options);
+
+struct SampleOptions {
+  std::string checkpoint;
+  std::string prompt;       // text for the byte tokenizer (vocab 256), else token ids "15496 11 995"
+  int tokens = 200;         // tokens to generate
+  float temperature = 1.0f; // 0: greedy
+  int top_k = 0;            // 0: the whole vocabulary
+  uint64_t seed = 1337;
+  std::string device = "auto";
+};
+// Generates options.tokens tokens after the prompt, writing each to out as it comes (bytes for the byte
+// tokenizer, " id" otherwise); returns the generated token ids.
+std::vector<int32_t> sample(const SampleOptions& options, std::FILE* out);
+
+struct BenchResult {
+  std::string backend;
+  int steps = 0;
+  double median_ms = 0.0;     // one optimizer step (grad_accum micro-batches, clipping, AdamW)
+  double tokens_per_s = 0.0;
+  double mfu = 0.0;           // 0 when the device's peak is unknown
+};
+// Times `steps` training steps after `warmup` untimed ones on random tokens, for every available backend.
+std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup);
+
+}  // namespace coda
