@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Shared by run.sh and test.sh (sourced, not run): installs the Debian packages the build needs when
+# any is missing, checks for the CUDA toolkit and NCCL (they come with the machine, not from Debian),
+# and builds everything with CMake + Ninja in build/ (BUILD_DIR overrides; BUILD_JOBS caps parallelism).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
+
+install_missing_packages() {
+  local packages=(cmake ninja-build g++ libcli11-dev libspdlog-dev nlohmann-json3-dev libgtest-dev)
+  local missing=()
+  for package in "${packages[@]}"; do
+    dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "installing missing Debian packages: ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+find_cuda() {
+  if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  if ! command -v nvcc >/dev/null 2>&1; then
+    echo "error: nvcc not found: install the CUDA toolkit (12.4 or newer, for sm_90a) and put nvcc on PATH" >&2
+    exit 1
+  fi
+}
+
+build() {
+  install_missing_packages
+  find_cuda
+  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build "$BUILD_DIR" -j "${BUILD_JOBS:-$(nproc)}" "$@"
+}
