@@ -1,4 +1,4 @@
-// The `coda` executable: CLI11 subcommands train, eval, sample, bench and prepare.
+// The `coda` executable: CLI11 subcommands train, eval, sample, bench and prepare (prepare.cpp).
 //
 // train and bench take a config file (--config) plus every config key as a flag. The command line is
 // parsed once here (help, unknown flags, wrong types); resolve_config() then builds the effective
@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "config.hpp"
+#include "prepare.hpp"
 #include "train.hpp"
 
 namespace {
@@ -99,6 +100,8 @@ int main(int argc, char** argv) {
   sample_command->add_option("--top_k", sample_options.top_k, "0: whole vocabulary")->capture_default_str();
   sample_command->add_option("--seed", sample_options.seed, "sampling seed")->capture_default_str();
   sample_command->add_option("--device", sample_options.device, "auto | cpu | cuda")->capture_default_str();
+
+  coda::add_prepare_command(app);  // its callbacks run during parse
 
   try {
     app.parse(argc, argv);

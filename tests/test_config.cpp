@@ -1,0 +1,269 @@
+// Config files, command-line overrides and the error paths of the `coda` executable.
+//
+// The error-path tests run the built binary (CODA_BINARY) the way a user does and check three things:
+// a non-zero exit, a message on stderr naming the offending key or file, and no run directory left behind.
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+
+#include "config.hpp"
+#include "rng.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+CommandResult run_coda(const std::string& arguments) {
+  const std::string command = std::string(CODA_BINARY) + " " + arguments + " 2>&1";
+  CommandResult result;
+  std::FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) result.output.append(buffer, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "coda_config_XXXXXX").string();
+    path_ = mkdtemp(pattern.data());
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream(path) << text;
+}
+
+// A config with every key away from its default, drawn from the seed.
+coda::RunConfig random_config(uint64_t seed) {
+  coda::Rng rng(seed);
+  coda::RunConfig c;
+  c.model.arch = coda::Arch::Llama;
+  c.model.n_head = 2 + 2 * static_cast<int>(rng.below(4));
+  c.model.n_kv_head = c.model.n_head / 2;
+  c.model.d_model = c.model.n_head * 2 * (4 + static_cast<int>(rng.below(8)));
+  c.model.n_layer = 1 + static_cast<int>(rng.below(12));
+  c.model.d_ff = 1 + static_cast<int>(rng.below(4000));
+  c.model.vocab_size = 2 + static_cast<int>(rng.below(200000));
+  c.model.max_seq_len = 512 + static_cast<int>(rng.below(4096));
+  c.model.rope_theta = static_cast<float>(1000.0 + rng.uniform() * 1e6);
+  c.model.norm_eps = static_cast<float>(rng.uniform() * 1e-4);
+  c.model.tied_head = false;
+  c.train_data = "/tmp/some dir/train_*.bin";
+  c.val_data = "";
+  c.batch_size = 1 + static_cast<int>(rng.below(64));
+  c.seq_len = 1 + static_cast<int>(rng.below(512));
+  c.grad_accum = 1 + static_cast<int>(rng.below(8));
+  c.steps = 1 + static_cast<int>(rng.below(100000));
+  c.lr = static_cast<float>(rng.uniform() * 1e-2);
+  c.min_lr_ratio = static_cast<float>(rng.uniform());
+  c.warmup_steps = static_cast<int>(rng.below(1000));
+  c.weight_decay = static_cast<float>(rng.uniform());
+  c.beta1 = static_cast<float>(rng.uniform());
+  c.beta2 = static_cast<float>(rng.uniform());
+  c.adam_eps = static_cast<float>(rng.uniform() * 1e-6);
+  c.grad_clip = static_cast<float>(rng.uniform() * 5);
+  c.device = "cpu";
+  c.kernels = "unfused";
+  c.out = "runs/x y";
+  c.seed = rng.next_u64();
+  c.log_every = 1 + static_cast<int>(rng.below(100));
+  c.val_every = static_cast<int>(rng.below(1000));
+  c.val_batches = 1 + static_cast<int>(rng.below(100));
+  c.checkpoint_every = static_cast<int>(rng.below(1000));
+  c.resume = "runs/old/step_5";
+  return c;
+}
+
+void expect_same(const coda::RunConfig& a, const coda::RunConfig& b) {
+  EXPECT_EQ(a.model.arch, b.model.arch);
+  EXPECT_EQ(a.model.n_layer, b.model.n_layer);
+  EXPECT_EQ(a.model.d_model, b.model.d_model);
+  EXPECT_EQ(a.model.n_head, b.model.n_head);
+  EXPECT_EQ(a.model.n_kv_head, b.model.n_kv_head);
+  EXPECT_EQ(a.model.d_ff, b.model.d_ff);
+  EXPECT_EQ(a.model.vocab_size, b.model.vocab_size);
+  EXPECT_EQ(a.model.max_seq_len, b.model.max_seq_len);
+  EXPECT_EQ(a.model.rope_theta, b.model.rope_theta);
+  EXPECT_EQ(a.model.norm_eps, b.model.norm_eps);
+  EXPECT_EQ(a.model.tied_head, b.model.tied_head);
+  EXPECT_EQ(a.train_data, b.train_data);
+  EXPECT_EQ(a.val_data, b.val_data);
+  EXPECT_EQ(a.batch_size, b.batch_size);
+  EXPECT_EQ(a.seq_len, b.seq_len);
+  EXPECT_EQ(a.grad_accum, b.grad_accum);
+  EXPECT_EQ(a.steps, b.steps);
+  EXPECT_EQ(a.lr, b.lr);
+  EXPECT_EQ(a.min_lr_ratio, b.min_lr_ratio);
+  EXPECT_EQ(a.warmup_steps, b.warmup_steps);
+  EXPECT_EQ(a.weight_decay, b.weight_decay);
+  EXPECT_EQ(a.beta1, b.beta1);
+  EXPECT_EQ(a.beta2, b.beta2);
+  EXPECT_EQ(a.adam_eps, b.adam_eps);
+  EXPECT_EQ(a.grad_clip, b.grad_clip);
+  EXPECT_EQ(a.device, b.device);
+  EXPECT_EQ(a.kernels, b.kernels);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.seed, b.seed);
+  EXPECT_EQ(a.log_every, b.log_every);
+  EXPECT_EQ(a.val_every, b.val_every);
+  EXPECT_EQ(a.val_batches, b.val_batches);
+  EXPECT_EQ(a.checkpoint_every, b.checkpoint_every);
+  EXPECT_EQ(a.resume, b.resume);
+}
+
+coda::AppFactory key_factory() {
+  return [](coda::RunConfig& config) {
+    auto app = std::make_shared<CLI::App>("test", "test");
+    coda::add_config_options(*app, config);
+    return app;
+  };
+}
+
+}  // namespace
+
+TEST(Config, TomlRoundTripKeepsEveryValueExactly) {
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    const coda::RunConfig original = random_config(seed);
+    const std::string toml = coda::config_to_toml(original);
+    const coda::RunConfig parsed = coda::parse_config_text(toml, "round trip");
+    expect_same(original, parsed);
+    EXPECT_EQ(coda::config_to_toml(parsed), toml);
+  }
+}
+
+TEST(Config, WrittenFileReadsBackThroughConfigFlag) {
+  TempDir dir;
+  const coda::RunConfig original = random_config(7);
+  write_text(dir / "run.toml", coda::config_to_toml(original));
+  const coda::RunConfig parsed = coda::resolve_config(key_factory(), (dir / "run.toml").string(), {});
+  expect_same(original, parsed);
+}
+
+TEST(Config, CommandLineOverridesConfigFile) {
+  TempDir dir;
+  write_text(dir / "c.toml", "[model]\nn_layer = 3\nd_model = 96\n[optim]\nlr = 0.002\nsteps = 50\n");
+  const coda::RunConfig from_file = coda::resolve_config(key_factory(), (dir / "c.toml").string(), {});
+  EXPECT_EQ(from_file.model.n_layer, 3);
+  EXPECT_EQ(from_file.lr, 0.002f);
+  const coda::RunConfig overridden =
+      coda::resolve_config(key_factory(), (dir / "c.toml").string(), {"--lr", "5e-4", "--n_layer=5", "--seed", "99"});
+  EXPECT_EQ(overridden.model.n_layer, 5);
+  EXPECT_EQ(overridden.model.d_model, 96);  // from the file, untouched
+  EXPECT_EQ(overridden.lr, 5e-4f);
+  EXPECT_EQ(overridden.steps, 50);
+  EXPECT_EQ(overridden.seed, 99u);
+}
+
+TEST(Config, CommandLineCanRepairAnInvalidFileValue) {
+  TempDir dir;
+  write_text(dir / "c.toml", "[model]\nd_model = 66\n");
+  EXPECT_THROW(coda::resolve_config(key_factory(), (dir / "c.toml").string(), {}), std::invalid_argument);
+  EXPECT_EQ(coda::resolve_config(key_factory(), (dir / "c.toml").string(), {"--d_model", "96"}).model.d_model, 96);
+}
+
+TEST(Config, KeysAtTheTopLevelAreAccepted) {
+  const coda::RunConfig c = coda::parse_config_text("n_layer = 4\nlr = 0.25\n", "top");
+  EXPECT_EQ(c.model.n_layer, 4);
+  EXPECT_EQ(c.lr, 0.25f);
+}
+
+TEST(Config, HelpListsEveryKeyWithItsDefault) {
+  const CommandResult help = run_coda("train --help");
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  const coda::RunConfig defaults;
+  std::istringstream toml(coda::config_to_toml(defaults));
+  int keys = 0;
+  for (std::string line; std::getline(toml, line);) {
+    const size_t equals = line.find(" = ");
+    if (equals == std::string::npos) continue;
+    std::string value = line.substr(equals + 3);
+    if (value.size() >= 2 && value.front() == '"') value = value.substr(1, value.size() - 2);
+    const std::string shown = "--" + line.substr(0, equals) + (value.empty() ? "" : " ");
+    EXPECT_NE(help.output.find(shown), std::string::npos) << "help misses " << shown;
+    if (!value.empty()) EXPECT_NE(help.output.find("=" + value), std::string::npos) << "help misses default " << line;
+    ++keys;
+  }
+  EXPECT_GT(keys, 30);
+  for (const char* section : {"model:", "data:", "optim:", "run:"}) EXPECT_NE(help.output.find(section), std::string::npos);
+}
+
+// ---- error paths of `coda train`
+
+struct BadInput {
+  const char* name;
+  const char* config;      // config file contents (nullptr: no file is written)
+  const char* arguments;   // extra command-line arguments
+  const char* must_name;   // text the error message must contain
+};
+
+class TrainRejects : public testing::TestWithParam<BadInput> {};
+
+TEST_P(TrainRejects, WithAClearMessageAndNoRunDirectory) {
+  const BadInput& bad = GetParam();
+  TempDir dir;
+  const fs::path config = dir / "bad.toml";
+  if (bad.config != nullptr) write_text(config, bad.config);
+  const fs::path out = dir / "run";
+  const CommandResult result = run_coda("train --config " + config.string() + " --out " + out.string() +
+                                        " --device cpu " + bad.arguments);
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("error: "), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find(bad.must_name), std::string::npos) << "message should name " << bad.must_name << ":\n"
+                                                                  << result.output;
+  EXPECT_FALSE(fs::exists(out)) << "a run directory was left behind";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Config, TrainRejects,
+    testing::Values(
+        BadInput{"UnknownKey", "[model]\nn_layers = 2\n", "", "unknown key 'n_layers'"},
+        BadInput{"UnknownTopLevelKey", "learning_rate = 2\n", "", "unknown key 'learning_rate'"},
+        BadInput{"WrongSection", "[optim]\nd_model = 64\n", "", "'d_model' belongs in [model]"},
+        BadInput{"UnknownSection", "[training]\nsteps = 3\n", "", "unknown section [training]"},
+        BadInput{"WrongTypeInFile", "[model]\nn_layer = two\n", "", "--n_layer"},
+        BadInput{"FractionForInteger", "[data]\nbatch_size = 2.5\n", "", "--batch_size"},
+        BadInput{"BadArch", "[model]\narch = \"bert\"\n", "", "arch"},
+        BadInput{"HeadsDoNotDivideWidth", "[model]\nd_model = 66\nn_head = 4\n", "", "d_model (66) must be divisible by n_head (4)"},
+        BadInput{"SeqLenBeyondModel", "[data]\nseq_len = 512\n[model]\nmax_seq_len = 256\n", "", "seq_len (512)"},
+        BadInput{"NegativeLr", "[optim]\nlr = -0.1\n", "", "lr must be > 0"},
+        BadInput{"BadDevice", "[run]\ndevice = \"tpu\"\n", "", "device"},
+        BadInput{"FileErrorsNameTheFile", "[model]\nbogus = 1\n", "", "bad.toml"},
+        BadInput{"MissingConfigFile", nullptr, "", "bad.toml: file not found"},
+        BadInput{"WrongTypeOnCommandLine", "", "--steps many", "--steps"},
+        BadInput{"UnknownFlag", "", "--stepz 3", "--stepz"},
+        BadInput{"OutOfRangeOnCommandLine", "", "--n_head 5", "n_head"},
+        BadInput{"MissingData", "", "--train_data /nonexistent/shard_*.bin", "/nonexistent/shard_*.bin"},
+        BadInput{"MissingResumeCheckpoint", "", "--resume /nonexistent/run", "/nonexistent/run"}),
+    [](const testing::TestParamInfo<BadInput>& info) { return std::string(info.param.name); });
+
+TEST(Config, UsageErrorsExitWithTwoAndOtherErrorsWithOne) {
+  EXPECT_EQ(run_coda("train --stepz 3").exit_code, 2);
+  EXPECT_EQ(run_coda("frobnicate").exit_code, 2);
+  EXPECT_EQ(run_coda("").exit_code, 2);
+  TempDir dir;
+  write_text(dir / "bad.toml", "bogus = 1\n");
+  EXPECT_EQ(run_coda("train --config " + (dir / "bad.toml").string()).exit_code, 1);
+}
