@@ -219,6 +219,8 @@ struct BadInput {
   const char* must_name;   // text the error message must contain
 };
 
+void PrintTo(const BadInput& bad, std::ostream* os) { *os << bad.name; }
+
 class TrainRejects : public testing::TestWithParam<BadInput> {};
 
 TEST_P(TrainRejects, WithAClearMessageAndNoRunDirectory) {
@@ -249,7 +251,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"HeadsDoNotDivideWidth", "[model]\nd_model = 66\nn_head = 4\n", "", "d_model (66) must be divisible by n_head (4)"},
         BadInput{"SeqLenBeyondModel", "[data]\nseq_len = 512\n[model]\nmax_seq_len = 256\n", "", "seq_len (512)"},
         BadInput{"NegativeLr", "[optim]\nlr = -0.1\n", "", "lr must be > 0"},
-        BadInput{"BadDevice", "[run]\ndevice = \"tpu\"\n", "", "device"},
+        BadInput{"BadKernels", "[run]\nkernels = \"fast\"\n", "", "kernels"},
+        BadInput{"BadDevice", "", "--device tpu", "device"},
         BadInput{"FileErrorsNameTheFile", "[model]\nbogus = 1\n", "", "bad.toml"},
         BadInput{"MissingConfigFile", nullptr, "", "bad.toml: file not found"},
         BadInput{"WrongTypeOnCommandLine", "", "--steps many", "--steps"},
