@@ -3,9 +3,11 @@
 // train and bench take a config file (--config) plus every config key as a flag. The command line is
 // parsed once here (help, unknown flags, wrong types); resolve_config() then builds the effective
 // configuration from fresh Apps made by the same factory (config.cpp explains the phases).
+// Progress and logs go to stderr, results (val_loss, samples, the bench table) to stdout.
 // Errors end the program with one line on stderr: "error: ..." and exit code 2 for command-line misuse,
 // 1 for everything else (bad config file, bad values, missing files, failures while running).
 #include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
@@ -47,6 +49,7 @@ void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunC
 }  // namespace
 
 int main(int argc, char** argv) {
+  spdlog::set_default_logger(spdlog::stderr_color_mt("coda"));  // stdout carries results only
   spdlog::set_pattern("[%T] %^%v%$");
   CLI::App app{"coda: a C++/CUDA trainer for GPT-2 and Llama-style Transformers", "coda"};
   app.require_subcommand(1);

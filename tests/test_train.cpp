@@ -120,7 +120,7 @@ TEST_F(Training, LossFallsTowardTheEntropyRate) {
   for (coda::Arch arch : {coda::Arch::GPT2, coda::Arch::Llama}) {
     coda::RunConfig c = tiny(arch, std::string("learn_") + coda::arch_name(arch));
     c.model.n_layer = 1;
-    c.steps = arch == coda::Arch::GPT2 ? 400 : 300;  // RoPE finds the previous token sooner
+    c.steps = arch == coda::Arch::GPT2 ? 400 : 200;  // RoPE finds the previous token sooner
     c.batch_size = 32;
     c.lr = 1e-2f;
     c.warmup_steps = 10;
