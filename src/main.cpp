@@ -27,15 +27,21 @@ int fail(const std::string& message, int code) {
   return code;
 }
 
+// One line per backend; "vs first" is the first backend's step time over this one's (the speedup).
 void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunConfig& config,
                  const std::string& json_path) {
-  std::printf("%-16s %14s %12s %8s\n", "backend", "median ms/step", "tokens/s", "MFU");
+  std::printf("%-16s %14s %12s %8s %10s %10s %10s %9s\n", "backend", "median ms/step", "tokens/s", "MFU",
+              "fwd ms", "bwd ms", "optim ms", "vs first");
   nlohmann::json records = nlohmann::json::array();
   for (const auto& r : results) {
     const std::string mfu = r.mfu > 0.0 ? std::to_string(100.0 * r.mfu).substr(0, 5) + "%" : "-";
-    std::printf("%-16s %14.2f %12.0f %8s\n", r.backend.c_str(), r.median_ms, r.tokens_per_s, mfu.c_str());
+    const double speedup = results.front().median_ms / r.median_ms;
+    std::printf("%-16s %14.2f %12.0f %8s %10.2f %10.2f %10.2f %8.2fx\n", r.backend.c_str(), r.median_ms,
+                r.tokens_per_s, mfu.c_str(), r.forward_ms, r.backward_ms, r.optimizer_ms, speedup);
     records.push_back({{"backend", r.backend}, {"steps", r.steps}, {"median_ms", r.median_ms},
                        {"tokens_per_s", r.tokens_per_s}, {"mfu", r.mfu > 0.0 ? nlohmann::json(r.mfu) : nlohmann::json()},
+                       {"forward_ms", r.forward_ms}, {"backward_ms", r.backward_ms}, {"optimizer_ms", r.optimizer_ms},
+                       {"speedup_vs_first", speedup},
                        {"batch_size", config.batch_size}, {"seq_len", config.seq_len}, {"grad_accum", config.grad_accum},
                        {"arch", coda::arch_name(config.model.arch)}, {"n_layer", config.model.n_layer},
                        {"d_model", config.model.d_model}});

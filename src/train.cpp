@@ -31,6 +31,7 @@
 
 #include "checkpoint.hpp"
 #include "data.hpp"
+#include "kernels/cuda_check.cuh"
 #include "rng.hpp"
 
 namespace coda {
@@ -45,15 +46,23 @@ float lr_at(const RunConfig& c, int step) {
   return static_cast<float>(min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (c.lr - min_lr));
 }
 
-// ---- Backend selection: the only code that knows which backends exist. This build has the fp32 CPU
-// reference only; the CUDA backends hook in here (and in available_backends and peak_flops).
+// ---- Backend selection: the only code that knows which backends exist. --device auto takes the GPU
+// when there is one; --kernels auto is the best CUDA mode this build has (unfused until coda lands).
+namespace {
+bool use_cuda(const std::string& device) { return device == "cuda" || (device == "auto" && cuda_device_available()); }
+}  // namespace
+
 std::unique_ptr<Backend> make_backend(const RunConfig& config) {
-  if (config.device == "cuda")
-    throw std::runtime_error("device cuda: this build has no CUDA backend yet; use --device cpu (or auto)");
+  if (use_cuda(config.device))
+    return make_cuda_backend(config.model, config.kernels == "auto" ? "unfused" : config.kernels, config.batch_size,
+                             config.seq_len);
   return make_cpu_backend(config.model, config.batch_size, config.seq_len);
 }
 
-std::vector<std::pair<std::string, std::string>> available_backends() { return {{"cpu", "auto"}}; }
+std::vector<std::pair<std::string, std::string>> available_backends() {
+  if (use_cuda("auto")) return {{"cuda", "unfused"}};
+  return {{"cpu", "auto"}};
+}
 
 double peak_flops(const std::string& backend_name) {
   return backend_name.rfind("cuda", 0) == 0 ? 989e12 : 0.0;  // H100/H200 dense bf16

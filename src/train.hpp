@@ -72,6 +72,8 @@ struct BenchResult {
   double median_ms = 0.0;     // one optimizer step (grad_accum micro-batches, clipping, AdamW)
   double tokens_per_s = 0.0;
   double mfu = 0.0;           // 0 when the device's peak is unknown
+  // Median device time per phase of one optimizer step (Backend::last_phase_times; zeros for the CPU).
+  double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
 };
 // Times `steps` training steps after `warmup` untimed ones on random tokens, for every available backend.
 std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup);
