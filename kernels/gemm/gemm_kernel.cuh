@@ -10,7 +10,11 @@
 //      cooperative: both consumers work on every tile, each on 64 of its 128 rows (m64nBNk16);
 //      ping-pong:   consumer w takes every other tile, all 128 rows (two m64 sub-blocks), so one
 //                   consumer's epilogue runs while the other one keeps the tensor cores busy. The
-//                   ring is consumed in order, which by itself alternates the two mainloops.
+//                   two mainloops take turns through a pair of "turn" mbarriers: a consumer starts
+//                   waiting on its stages only after the other has waited on all of its own. This is
+//                   required, not just tidy: a parity wait can only tell the current phase from the
+//                   one before, so a consumer that skipped ahead by a whole tile would see a stage
+//                   "full" one phase early (measured: hangs and faults without the turn barriers).
 //  * epilogue: the program visits the accumulator fragments chunk by chunk (64 rows x 128 bytes of
 //    output), each chunk is written to a 128B-swizzled staging buffer (two per consumer, so the TMA
 //    store of one overlaps the filling of the other), fenced for the async proxy, and stored by TMA
@@ -63,9 +67,10 @@ struct Config {
   static constexpr int kSubs = kPingPong ? 2 : 1;            // m64 sub-blocks per consumer and tile
   static constexpr int kAcc = kBN / 2;                       // fp32 accumulators per thread and sub-block
   static constexpr int kEmptyArrivals = kPingPong ? 4 : 8;   // lane 0 of each consuming warp
+  static constexpr int kTurnArrivals = 4;                    // lane 0 of each warp of the other consumer
   static_assert(kBN == 128 || kBN == 256, "wgmma wrappers exist for n = 128 and 256");
   static_assert(kStages >= 3, "shared memory ring too shallow");
-  static_assert(2 * kStages * 8 <= kBarrierBytes, "barrier area too small");
+  static_assert((2 * kStages + 2) * 8 <= kBarrierBytes, "barrier area too small");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages must keep 1024-byte alignment");
 };
 
@@ -185,7 +190,7 @@ __device__ __forceinline__ void stage_values(uint8_t* buf, int row, int out_col,
 template <class Cfg, class Program>
 __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d, const Params& p,
                                         const Program& program, uint8_t* ring, uint8_t* staging, uint64_t* full,
-                                        uint64_t* empty) {
+                                        uint64_t* empty, uint64_t* turn) {
   using OutT = typename Cfg::OutT;
   constexpr int kRatio = Program::kColsPerOut;               // accumulator columns per output column
   constexpr int kWidth = kRatio == 1 ? 2 : 1;                // output values per fragment
@@ -210,12 +215,16 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
   Scheduler sched(p);
   Unit u;
   uint32_t it = 0;
-  int unit_index = 0, chunk_count = 0;
+  int unit_index = 0, my_units = 0, chunk_count = 0;
   while (sched.next(u)) {
     const int k_blocks = u.kb_end - u.kb_begin;
-    if (Cfg::kPingPong && (unit_index++ & 1) != cw) {  // the other consumer's tile: skip its stages
-      it += k_blocks;
-      continue;
+    if constexpr (Cfg::kPingPong) {
+      if ((unit_index++ & 1) != cw) {  // the other consumer's tile: skip its stages
+        it += k_blocks;
+        continue;
+      }
+      // Consumer 0's first turn is free (a wait for parity 1 on a fresh barrier succeeds at once).
+      sm90::mbar_wait(&turn[cw], (my_units++ & 1) ^ (cw == 0 ? 1 : 0));
     }
 
     // ---- mainloop ----
@@ -240,6 +249,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       if (kb > 0 && lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
       prev_slot = slot;
     }
+    if (Cfg::kPingPong && lane == 0) sm90::mbar_arrive(&turn[cw ^ 1]);  // all my stages waited on: your turn
     sm90::wgmma_wait<0>();
     if (lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
 #pragma unroll
@@ -298,6 +308,7 @@ __global__ void __launch_bounds__(384, 1)
   uint8_t* staging = ring + Cfg::kStages * Cfg::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + Cfg::kStagingBytes);
   uint64_t* empty = full + Cfg::kStages;
+  uint64_t* turn = empty + Cfg::kStages;
 
   const int warpgroup = threadIdx.x / 128, t = threadIdx.x % 128;
   if (threadIdx.x == 0) {
@@ -308,6 +319,8 @@ __global__ void __launch_bounds__(384, 1)
       sm90::mbar_init(&full[s], 1);
       sm90::mbar_init(&empty[s], Cfg::kEmptyArrivals);
     }
+    sm90::mbar_init(&turn[0], Cfg::kTurnArrivals);
+    sm90::mbar_init(&turn[1], Cfg::kTurnArrivals);
     sm90::fence_barrier_init();
   }
   __syncthreads();
@@ -317,7 +330,7 @@ __global__ void __launch_bounds__(384, 1)
     if (t == 0) produce<Cfg>(&map_a, &map_b, p, ring, full, empty);
   } else {
     sm90::regs_claim<232>();
-    consume<Cfg>(warpgroup - 1, t, &map_d, p, program, ring, staging, full, empty);
+    consume<Cfg>(warpgroup - 1, t, &map_d, p, program, ring, staging, full, empty, turn);
   }
 }
 
