@@ -4,8 +4,11 @@
 // (row scale + pairwise map + partial row reduction) over the bare mainloop of the same shape.
 //
 // Method: random inputs; several input sets rotated so the timed runs cannot live in L2 (>= 150 MB of
-// operands in the rotation); 5 warm-up runs; CUDA events around each of 25 runs; the median. Each shape
-// also compares our output with cuBLAS's (relative error) so a fast wrong kernel cannot pass unnoticed.
+// operands in the rotation); 5 warm-up rounds; CUDA events around each of 25 runs; the median. The
+// contenders of a shape run interleaved, run by run, so all of them see the same clocks (under
+// sustained load the card sits at its power cap and the SM clock drops: timing contenders one after
+// the other favoured whoever ran first by up to 20%). Each shape also compares our output with
+// cuBLAS's (relative error), so a fast wrong kernel cannot pass unnoticed.
 // Usage: bench_gemm [--quick]   (--quick: 10 timed runs)
 #include <algorithm>
 #include <cstdio>
@@ -53,21 +56,30 @@ std::vector<Shape> model_shapes() {
   return s;
 }
 
-double median_ms(const std::function<void(int)>& run) {
-  for (int i = 0; i < 5; ++i) run(i);
-  std::vector<cudaEvent_t> ev(2 * g_timed_runs);
+// Median time in ms of each contender; contender j's run i is run(j)(i), interleaved by i.
+std::vector<double> median_ms(const std::vector<std::function<void(int)>>& runs) {
+  const int n = static_cast<int>(runs.size());
+  for (int i = 0; i < 5; ++i)
+    for (const auto& run : runs) run(i);
+  std::vector<cudaEvent_t> ev(2 * g_timed_runs * n);
   for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < g_timed_runs; ++i) {
-    CUDA_CHECK(cudaEventRecord(ev[2 * i]));
-    run(i);
-    CUDA_CHECK(cudaEventRecord(ev[2 * i + 1]));
-  }
+  for (int i = 0; i < g_timed_runs; ++i)
+    for (int j = 0; j < n; ++j) {
+      CUDA_CHECK(cudaEventRecord(ev[2 * (i * n + j)]));
+      runs[j](i);
+      CUDA_CHECK(cudaEventRecord(ev[2 * (i * n + j) + 1]));
+    }
   CUDA_CHECK(cudaEventSynchronize(ev.back()));
-  std::vector<float> ms(g_timed_runs);
-  for (int i = 0; i < g_timed_runs; ++i) CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+  std::vector<double> medians(n);
+  for (int j = 0; j < n; ++j) {
+    std::vector<float> ms(g_timed_runs);
+    for (int i = 0; i < g_timed_runs; ++i)
+      CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[2 * (i * n + j)], ev[2 * (i * n + j) + 1]));
+    std::nth_element(ms.begin(), ms.begin() + g_timed_runs / 2, ms.end());
+    medians[j] = ms[g_timed_runs / 2];
+  }
   for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
-  std::nth_element(ms.begin(), ms.begin() + g_timed_runs / 2, ms.end());
-  return ms[g_timed_runs / 2];
+  return medians;
 }
 
 // Device memory for one shape: `sets` rotated copies of A and B, two outputs (ours, cuBLAS).
@@ -167,10 +179,10 @@ void bench_mainloop(CublasLt& cublas) {
   double worst = 1e9;
   for (const Shape& s : model_shapes()) {
     Operands ops(s, s.layout == GemmLayout::Wgrad ? 4 : 2);
-    const double t_cublas = tflops(s, median_ms([&](int i) { run_cublas(s, ops, i, cublas); }));
-    const double t_coop =
-        tflops(s, median_ms([&](int i) { run_ours(s, ops, i, GemmTile::Cooperative128x256); }));
-    const double t_pp = tflops(s, median_ms([&](int i) { run_ours(s, ops, i, GemmTile::PingPong128x128); }));
+    const auto ms = median_ms({[&](int i) { run_cublas(s, ops, i, cublas); },
+                               [&](int i) { run_ours(s, ops, i, GemmTile::Cooperative128x256); },
+                               [&](int i) { run_ours(s, ops, i, GemmTile::PingPong128x128); }});
+    const double t_cublas = tflops(s, ms[0]), t_coop = tflops(s, ms[1]), t_pp = tflops(s, ms[2]);
     const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K);
     const double t_auto = pick == GemmTile::Cooperative128x256 ? t_coop : t_pp;
     const double err = compare_with_cublas(s, ops, cublas);
@@ -195,11 +207,13 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make, int col
   for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) {
     const auto program = make(rstd, partials);
     auto* D = static_cast<__nv_bfloat16*>(ops.D);
-    const double bare = median_ms([&](int i) { run_ours(s, ops, i, tile); });
-    const double fused = median_ms([&](int i) {
-      const int k = i % ops.sets;
-      gemm_run<GemmLayout::Forward>(tile, D, ops.A[k], ops.B[k], s.M, s.N, s.K, false, program, nullptr);
-    });
+    const auto ms = median_ms({[&](int i) { run_ours(s, ops, i, tile); },
+                               [&](int i) {
+                                 const int k = i % ops.sets;
+                                 gemm_run<GemmLayout::Forward>(tile, D, ops.A[k], ops.B[k], s.M, s.N, s.K, false,
+                                                               program, nullptr);
+                               }});
+    const double bare = ms[0], fused = ms[1];
     std::printf("%-44s %-16s bare %7.3f ms (%5.1f TF/s)  program %7.3f ms (%5.1f TF/s)  overhead %+5.1f%%  (out cols %d)\n",
                 label, gemm_tile_name(tile), bare, tflops(s, bare), fused, tflops(s, fused),
                 100.0 * (fused / bare - 1.0), s.N / cols_per_out);

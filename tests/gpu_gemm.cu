@@ -1,5 +1,5 @@
 // The hand-written GEMM against a plain fp32 GPU reference on random data: every layout, both tile
-// configurations, shapes with M, N and K tails, more tiles than SMs, stream-K splits, accumulation; and
+// configurations, shapes with M, N and K tails, more tiles than SMs, split-K, accumulation; and
 // epilogue programs on the GPU against their host evaluation (kernels/epilogue/epilogue.cuh) of the
 // reference accumulators. Outputs are poisoned with NaN first, so an unwritten element fails.
 #include <gtest/gtest.h>
@@ -103,7 +103,7 @@ TEST(GpuGemm, DgradTailsAndManyTiles) {
                {GemmLayout::Dgrad, 264, 768, 50304, false}});
 }
 
-TEST(GpuGemm, WgradStreamKAndAccumulate) {
+TEST(GpuGemm, WgradSplitKAndAccumulate) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   check_cases({{GemmLayout::Wgrad, 776, 520, 3000, false},
                {GemmLayout::Wgrad, 776, 520, 3000, true},
@@ -180,6 +180,36 @@ TEST(GpuGemm, NormGeluProgramMatchesHostEvaluation) {
     EXPECT_LT(host_relative_error(out.to_host(), want_out), 1e-2);
     EXPECT_LT(host_relative_error(pre.to_host(), want_pre), 1e-2);
     EXPECT_LT(host_relative_error(partials.to_host(), want_partials), 1e-4);
+  }
+}
+
+TEST(GpuGemm, RopeProgramMatchesHostEvaluation) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  // Two sequences of 2048 tokens (angles up to 2047 rad), head_dim 64, q and k heads in the first 512 columns.
+  ForwardProblem prob(4096, 768, 512);
+  const int M = prob.M, N = prob.N;
+  const auto r = random_host(M, 0.5f, 2.0f, 3);
+  DeviceBuffer<float> r_d(M);
+  upload(r_d, r);
+  using namespace coda::epi;
+  const Rope rope{2048, 64, 512, 13.287712f};
+  for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) {
+    SCOPED_TRACE(gemm_tile_name(tile));
+    const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);
+    DeviceBuffer<__nv_bfloat16> out(size_t(M) * N);
+    DeviceBuffer<float> sumsq(size_t(M) * tiles_n);
+    out.poison(), sumsq.poison();
+    gemm_run<GemmLayout::Forward>(tile, out.p, prob.X.p, prob.W.p, M, N, prob.K, false,
+                                  make_program(RowBroadcast<Mul>(r_d.p), Pairwise<Rope>(rope),
+                                               RowReduce<SumSquares>(sumsq.p)),
+                                  nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> want_out(size_t(M) * N), want_sumsq(size_t(M) * tiles_n);
+    evaluate_on_host(make_program(RowBroadcast<Mul>(r.data()), Pairwise<Rope>(rope),
+                                  RowReduce<SumSquares>(want_sumsq.data())),
+                     prob.acc.data(), M, N, gemm_tile_n(tile), want_out.data());
+    EXPECT_LT(host_relative_error(out.to_host(), want_out), 1e-2);
+    EXPECT_LT(host_relative_error(sumsq.to_host(), want_sumsq), 1e-4);
   }
 }
 

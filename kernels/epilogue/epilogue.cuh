@@ -78,6 +78,15 @@ CODA_HD float fast_exp(float x) {
 #endif
 }
 
+// a / b; on the GPU the approximate division (no IEEE slow path, no branch per value).
+CODA_HD float fast_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdividef(a, b);
+#else
+  return a / b;
+#endif
+}
+
 CODA_HD float fast_tanh(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
@@ -104,30 +113,45 @@ struct Gelu {
   }
 };
 
+// Pairwise functions (used through Pairwise<F>): kOut outputs from the pair (a, b) of a Frag, and a
+// begin_rows hook for per-row setup.
+
 // SwiGLU on an interleaved (gate, up) pair: silu(g) * u. 2 -> 1.
 struct SwiGlu {
   static constexpr int kOut = 1;
-  CODA_HD void operator()(const Frag&, float g, float u, float* out) const { out[0] = g / (1.0f + fast_exp(-g)) * u; }
+  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD void operator()(const Frag&, float g, float u, float* out) const {
+    out[0] = fast_div(g * u, 1.0f + fast_exp(-g));
+  }
 };
 
 // RoPE on adjacent pairs (2i, 2i+1) of each head of the first rot_cols columns (q and k heads of the
 // packed qkv row); position = row % seq_len, angle = position * theta^(-2i / head_dim). 2 -> 2.
+// head_dim is a power of two. On the GPU the angle is reduced to [-pi, pi] (2 pi split in two floats,
+// error ~1e-7 * |angle|) before the hardware sine and cosine.
 struct Rope {
   static constexpr int kOut = 2;
   int seq_len, head_dim, rot_cols;
   float log2_theta;  // log2(theta)
+  float position[2] = {0.0f, 0.0f};
+  float log2_freq_step = 0.0f;  // log2 of theta^(-1 / head_dim)
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+    for (int s = 0; s < ctx.num_slots; ++s) position[s] = static_cast<float>(ctx.rows[s] % seq_len);
+    log2_freq_step = -log2_theta / static_cast<float>(head_dim);
+  }
   CODA_HD void operator()(const Frag& f, float a, float b, float* out) const {
     if (f.col >= rot_cols) {
       out[0] = a;
       out[1] = b;
       return;
     }
-    const int i = (f.col % head_dim) / 2;
-    const float inv_freq = exp2f(-2.0f * static_cast<float>(i) / static_cast<float>(head_dim) * log2_theta);
-    const float angle = static_cast<float>(f.row % seq_len) * inv_freq;
+    const float two_i = static_cast<float>(f.col & (head_dim - 1));
+    const float angle = position[f.slot] * exp2f(two_i * log2_freq_step);
     float s, c;
 #if defined(__CUDA_ARCH__)
-    sincosf(angle, &s, &c);
+    const float turns = rintf(angle * 0.159154943f);
+    const float r = fmaf(-turns, -1.7484555e-7f, fmaf(-turns, 6.28318548f, angle));
+    __sincosf(r, &s, &c);
 #else
     s = std::sin(angle);
     c = std::cos(angle);
@@ -205,6 +229,7 @@ struct Pairwise : Primitive {
   static constexpr int kColsPerOut = 2 / F::kOut;
   F fn;
   CODA_HD explicit Pairwise(const F& f = F()) : fn(f) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) { fn.begin_rows(ctx); }
   CODA_HD void visit(Frag& f, const RowCtx&) {
     float out[2];
     fn(f, f.v[0], f.v[1], out);

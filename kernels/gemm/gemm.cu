@@ -61,6 +61,23 @@ CUtensorMap make_map(const void* base, CUtensorMapDataType type, int elem_bytes,
   return map;
 }
 
+// Number of K ranges per tile: the best product of wave efficiency (units over whole waves of SMs)
+// and mainloop share (a unit's epilogue costs about two k-blocks: the reduce-add of a 128 x 256 fp32
+// tile). Only splits that leave no K range empty are considered.
+int choose_splits(int tiles, int k_blocks, int sms) {
+  int best = 1;
+  double best_efficiency = 0.0;
+  for (int splits = 1; splits <= 64 && splits <= k_blocks; ++splits) {
+    const int per_split = (k_blocks + splits - 1) / splits;
+    if ((k_blocks + per_split - 1) / per_split != splits) continue;
+    const long long units = static_cast<long long>(tiles) * splits;
+    const long long waves = (units + sms - 1) / sms;
+    const double efficiency = double(units) / double(waves * sms) * per_split / (per_split + 2.0);
+    if (efficiency > best_efficiency + 1e-9) best = splits, best_efficiency = efficiency;
+  }
+  return best;
+}
+
 }  // namespace
 
 Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, void* D, const void* A,
@@ -93,25 +110,27 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
   p.tiles_m = (M + 127) / 128;
   p.tiles_n = (N + bn - 1) / bn;
   p.group_m = 8;
-  p.iters = static_cast<long long>(p.tiles_m) * p.tiles_n * p.k_blocks;
-  // Stream-K needs an output that can be summed in pieces (fp32, reduce-add) and a program without
+  const int tiles = p.tiles_m * p.tiles_n, sms = num_sms();
+  // Split-K needs an output that can be summed in pieces (fp32, reduce-add) and a program without
   // reductions or nonlinear maps.
-  p.stream_k = out_fp32 && identity_program ? 1 : 0;
-  if (p.stream_k && !accumulate) {
+  p.splits = out_fp32 && identity_program ? choose_splits(tiles, p.k_blocks, sms) : 1;
+  p.kb_per_split = (p.k_blocks + p.splits - 1) / p.splits;
+  if (p.splits > 1 && !accumulate) {
     CUDA_CHECK(cudaMemsetAsync(D, 0, static_cast<size_t>(M) * out_cols * out_bytes, stream));
     accumulate = true;
   }
   p.accumulate = accumulate ? 1 : 0;
-  const long long units = p.stream_k ? p.iters : static_cast<long long>(p.tiles_m) * p.tiles_n;
-  const int sms = num_sms();
-  l.grid = static_cast<int>(units < sms ? units : sms);
+  const int units = tiles * p.splits;
+  l.grid = units < sms ? units : sms;
   return l;
 }
 
 }  // namespace gemm_detail
 
-GemmTile gemm_choose_tile(GemmLayout layout, int, int, int K) {
-  if (layout == GemmLayout::Wgrad || K >= 2048) return GemmTile::Cooperative128x256;
+// Measured (docs/GEMM.md): ping-pong wins where the epilogue is a noticeable share of a tile (K up to a
+// few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight gradients.
+GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K) {
+  if (layout == GemmLayout::Wgrad || K >= 8192 || (N <= 1024 && K >= 2048)) return GemmTile::Cooperative128x256;
   return GemmTile::PingPong128x128;
 }
 

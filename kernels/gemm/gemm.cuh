@@ -30,8 +30,8 @@ void gemm_forward(__nv_bfloat16* Y, const __nv_bfloat16* X, const __nv_bfloat16*
                   cudaStream_t stream, GemmTile tile = GemmTile::Auto);
 void gemm_dgrad(__nv_bfloat16* dX, const __nv_bfloat16* dY, const __nv_bfloat16* W, int M, int N, int K,
                 cudaStream_t stream, GemmTile tile = GemmTile::Auto);
-// Split over K (stream-K with reduce-add) whenever it balances the SMs; accumulate = false zeroes dW
-// first in that case.
+// Split over K (reduce-add of partial tiles) whenever that balances the SMs better; accumulate = false
+// zeroes dW first in that case.
 void gemm_wgrad(float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X, int M, int N, int K, bool accumulate,
                 cudaStream_t stream, GemmTile tile = GemmTile::Auto);
 

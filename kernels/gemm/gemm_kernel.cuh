@@ -20,10 +20,13 @@
 //    store of one overlaps the filling of the other), fenced for the async proxy, and stored by TMA
 //    (or reduce-added into D when accumulating). TMA clips rows >= M and columns >= N, and zero-fills
 //    out-of-range loads, so tails need no special code.
-//  * schedule: tiles in grouped order (group_m tile rows sweep across N, so the CTAs in flight share A
-//    and B tiles in L2). In stream-K mode (weight gradients, fp32 output, identity program) every CTA
-//    gets an equal range of the tiles x k-blocks iterations; a tile split between CTAs is summed by
-//    their reduce-adds, which balances any number of output tiles over the SMs (split-K for free).
+//  * schedule: work units are (tile, k range); CTA c takes units c, c + grid, ... Tiles come in grouped
+//    order (group_m tile rows sweep across N, so the CTAs in flight share A and B tiles in L2). Split-K
+//    (weight gradients: fp32 output, identity program, few output tiles over a long K): the units are
+//    ordered split-major, so the CTAs in flight all read the SAME k range of different tiles and the
+//    operands are fetched from HBM about once; partial tiles are summed by TMA reduce-adds. (A first
+//    version gave each CTA one contiguous range of tiles x k-blocks, "stream-K": perfectly balanced,
+//    but concurrent CTAs then read unrelated tiles and the weight gradients ran at 0.6-0.8x cuBLAS.)
 //
 // Layout of A and B in shared memory: TMA boxes with 128-byte inner rows, 128B swizzle.
 //  * K-major operand (forward X and W, dgrad dY): one box {64 k, rows}: row r at r*128 B.
@@ -47,8 +50,8 @@ struct Params {
   int k_blocks;        // ceil(K / 64)
   int tiles_m, tiles_n;
   int group_m;         // tile rows per L2 group
-  int stream_k;        // 1: equal iteration ranges per CTA; 0: whole tiles, round-robin
-  long long iters;     // tiles_m * tiles_n * k_blocks
+  int splits;          // K ranges per tile (1: whole tiles)
+  int kb_per_split;    // k-blocks per K range: ceil(k_blocks / splits)
   int accumulate;      // 1: D += result (TMA reduce-add); 0: D = result
 };
 
@@ -82,33 +85,16 @@ struct Unit {
 class Scheduler {
  public:
   __device__ explicit Scheduler(const Params& p)
-      : k_blocks_(p.k_blocks), tiles_m_(p.tiles_m), tiles_n_(p.tiles_n), group_m_(p.group_m), stream_k_(p.stream_k) {
-    if (stream_k_) {
-      next_ = p.iters * blockIdx.x / gridDim.x;
-      end_ = p.iters * (blockIdx.x + 1) / gridDim.x;
-    } else {
-      next_ = blockIdx.x;
-      end_ = static_cast<long long>(tiles_m_) * tiles_n_;
-    }
-  }
+      : k_blocks_(p.k_blocks), kb_per_split_(p.kb_per_split), tiles_m_(p.tiles_m), tiles_n_(p.tiles_n),
+        group_m_(p.group_m), tiles_(p.tiles_m * p.tiles_n), next_(blockIdx.x), end_(p.tiles_m * p.tiles_n * p.splits) {}
 
   __device__ bool next(Unit& u) {
     if (next_ >= end_) return false;
-    long long tile;
-    if (stream_k_) {
-      tile = next_ / k_blocks_;
-      u.kb_begin = static_cast<int>(next_ - tile * k_blocks_);
-      const long long left = end_ - next_;
-      u.kb_end = left < k_blocks_ - u.kb_begin ? u.kb_begin + static_cast<int>(left) : k_blocks_;
-      next_ += u.kb_end - u.kb_begin;
-    } else {
-      tile = next_;
-      u.kb_begin = 0;
-      u.kb_end = k_blocks_;
-      next_ += gridDim.x;
-    }
+    const int split = next_ / tiles_, t = next_ - split * tiles_;
+    u.kb_begin = split * kb_per_split_;
+    u.kb_end = u.kb_begin + kb_per_split_ < k_blocks_ ? u.kb_begin + kb_per_split_ : k_blocks_;
+    next_ += gridDim.x;
     // Grouped order: group_m tile rows at a time, the row index fastest.
-    const int t = static_cast<int>(tile);
     const int span = group_m_ * tiles_n_;
     const int first_m = t / span * group_m_;
     const int rows = tiles_m_ - first_m < group_m_ ? tiles_m_ - first_m : group_m_;
@@ -119,8 +105,7 @@ class Scheduler {
   }
 
  private:
-  int k_blocks_, tiles_m_, tiles_n_, group_m_, stream_k_;
-  long long next_, end_;
+  int k_blocks_, kb_per_split_, tiles_m_, tiles_n_, group_m_, tiles_, next_, end_;
 };
 
 template <class Cfg>
