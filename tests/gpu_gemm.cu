@@ -241,7 +241,7 @@ TEST(GpuGemm, LogitsLseAndSwiGluProgramMatchesHostEvaluation) {
                      prob.acc.data(), M, N, gemm_tile_n(tile), want_out.data());
     EXPECT_LT(host_relative_error(out.to_host(), want_out), 1e-2);
     EXPECT_LT(host_relative_error(picked.to_host(), want_picked), 1e-5);
-    EXPECT_LT(host_relative_error(sumsq.to_host(), want_sumsq), 1e-4);
+    EXPECT_LT(host_relative_error(sumsq.to_host(), want_sumsq), 1e-3);  // after tanh.approx (rel. err 5e-4)
     const auto got_lse = lse.to_host();
     std::vector<float> got_rows(M), want_rows(M);
     for (int i = 0; i < M; ++i) {
