@@ -1,0 +1,170 @@
+// Host side of the hand-written GEMM: tensor maps, schedule, tile choice, and the identity-program
+// entry points of gemm.cuh. See gemm_kernel.cuh for the kernel.
+//
+// Tensor maps (cuTensorMapEncodeTiled, a driver function fetched once through
+// cudaGetDriverEntryPointByVersion so that no libcuda link is needed): 2-D, innermost dimension first,
+// 128B swizzle, zero fill out of bounds. Boxes: K-major operands {64 k, 128 or BN rows}; MN-major
+// operands {64 m|n, 64 k}; output {128 bytes of columns, 64 rows}.
+#include <cudaTypedefs.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/gemm/gemm_launch.cuh"
+
+namespace coda {
+namespace gemm_detail {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status));
+    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw std::runtime_error("gemm.cu: driver entry point cuTensorMapEncodeTiled not found");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+int num_sms() {
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("gemm: " + what);
+}
+
+// Dense row-major [outer, inner] matrix of elem_bytes elements, read or written in boxes of
+// [box_outer, box_inner].
+CUtensorMap make_map(const void* base, CUtensorMapDataType type, int elem_bytes, long long inner, long long outer,
+                     int box_inner, int box_outer, const char* name) {
+  require(reinterpret_cast<uintptr_t>(base) % 16 == 0, std::string(name) + " must be 16-byte aligned");
+  require(inner * elem_bytes % 16 == 0, std::string(name) + " row stride must be a multiple of 16 bytes (columns " +
+                                            std::to_string(inner) + ")");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner * elem_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("gemm: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
+                             std::to_string(static_cast<int>(r)) + ", " + std::to_string(outer) + " x " +
+                             std::to_string(inner) + ")");
+  return map;
+}
+
+// Number of K ranges per tile: the best product of wave efficiency (units over whole waves of SMs)
+// and mainloop share (a unit's epilogue costs about two k-blocks: the reduce-add of a 128 x 256 fp32
+// tile). Only splits that leave no K range empty are considered.
+int choose_splits(int tiles, int k_blocks, int sms) {
+  int best = 1;
+  double best_efficiency = 0.0;
+  for (int splits = 1; splits <= 64 && splits <= k_blocks; ++splits) {
+    const int per_split = (k_blocks + splits - 1) / splits;
+    if ((k_blocks + per_split - 1) / per_split != splits) continue;
+    const long long units = static_cast<long long>(tiles) * splits;
+    const long long waves = (units + sms - 1) / sms;
+    const double efficiency = double(units) / double(waves * sms) * per_split / (per_split + 2.0);
+    if (efficiency > best_efficiency + 1e-9) best = splits, best_efficiency = efficiency;
+  }
+  return best;
+}
+
+}  // namespace
+
+Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, void* D, const void* A,
+               const void* B, int M, int N, int K, bool accumulate, bool identity_program, cudaStream_t stream) {
+  require(M > 0 && N > 0 && K > 0, "empty shape M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                                       " K=" + std::to_string(K));
+  require(N % (8 * cols_per_out) == 0, "N=" + std::to_string(N) + " must be a multiple of " +
+                                           std::to_string(8 * cols_per_out));
+  const int bn = gemm_tile_n(tile);
+  const auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  Launch l{};
+  if (layout == GemmLayout::Wgrad) {
+    l.a = make_map(A, bf16, 2, M, K, 64, 64, "wgrad dY");
+    l.b = make_map(B, bf16, 2, N, K, 64, 64, "wgrad X");
+  } else {
+    l.a = make_map(A, bf16, 2, K, M, 64, 128, layout == GemmLayout::Forward ? "forward X" : "dgrad dY");
+    if (layout == GemmLayout::Forward)
+      l.b = make_map(B, bf16, 2, K, N, 64, bn, "forward W");
+    else
+      l.b = make_map(B, bf16, 2, N, K, 64, 64, "dgrad W");
+  }
+  const int out_bytes = out_fp32 ? 4 : 2;
+  const int out_cols = N / cols_per_out;
+  l.d = make_map(D, out_fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : bf16, out_bytes, out_cols, M, 128 / out_bytes, 64,
+                 "output");
+
+  Params& p = l.p;
+  p.M = M, p.N = N, p.K = K;
+  p.k_blocks = (K + 63) / 64;
+  p.tiles_m = (M + 127) / 128;
+  p.tiles_n = (N + bn - 1) / bn;
+  p.group_m = 8;
+  const int tiles = p.tiles_m * p.tiles_n, sms = num_sms();
+  // Split-K needs an output that can be summed in pieces (fp32, reduce-add) and a program without
+  // reductions or nonlinear maps.
+  p.splits = out_fp32 && identity_program ? choose_splits(tiles, p.k_blocks, sms) : 1;
+  p.kb_per_split = (p.k_blocks + p.splits - 1) / p.splits;
+  if (p.splits > 1 && !accumulate) {
+    CUDA_CHECK(cudaMemsetAsync(D, 0, static_cast<size_t>(M) * out_cols * out_bytes, stream));
+    accumulate = true;
+  }
+  p.accumulate = accumulate ? 1 : 0;
+  const int units = tiles * p.splits;
+  l.grid = units < sms ? units : sms;
+  return l;
+}
+
+}  // namespace gemm_detail
+
+// Measured (docs/GEMM.md): ping-pong wins where the epilogue is a noticeable share of a tile (K up to a
+// few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight gradients.
+GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K) {
+  if (layout == GemmLayout::Wgrad || K >= 8192 || (N <= 1024 && K >= 2048)) return GemmTile::Cooperative128x256;
+  return GemmTile::PingPong128x128;
+}
+
+int gemm_tile_n(GemmTile tile) {
+  switch (tile) {
+    case GemmTile::Cooperative128x256: return 256;
+    case GemmTile::PingPong128x128: return 128;
+    case GemmTile::Auto: break;
+  }
+  throw std::invalid_argument("gemm_tile_n: GemmTile::Auto has no width; choose a tile first");
+}
+
+const char* gemm_tile_name(GemmTile tile) {
+  switch (tile) {
+    case GemmTile::Cooperative128x256: return "coop128x256";
+    case GemmTile::PingPong128x128: return "pingpong128x128";
+    case GemmTile::Auto: return "auto";
+  }
+  return "?";
+}
+
+void gemm_forward(__nv_bfloat16* Y, const __nv_bfloat16* X, const __nv_bfloat16* W, int M, int N, int K,
+                  cudaStream_t stream, GemmTile tile) {
+  gemm_run<GemmLayout::Forward>(tile, Y, X, W, M, N, K, false, epi::Program<>{}, stream);
+}
+
+void gemm_dgrad(__nv_bfloat16* dX, const __nv_bfloat16* dY, const __nv_bfloat16* W, int M, int N, int K,
+                cudaStream_t stream, GemmTile tile) {
+  gemm_run<GemmLayout::Dgrad>(tile, dX, dY, W, M, N, K, false, epi::Program<>{}, stream);
+}
+
+void gemm_wgrad(float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X, int M, int N, int K, bool accumulate,
+                cudaStream_t stream, GemmTile tile) {
+  gemm_run<GemmLayout::Wgrad>(tile, dW, dY, X, M, N, K, accumulate, epi::Program<>{}, stream);
+}
+
+}  // namespace coda

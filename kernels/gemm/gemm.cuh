@@ -1,0 +1,38 @@
+// The hand-written Hopper GEMM (gemm_kernel.cuh) behind a small host API, in the trainer's row-major
+// conventions (the same as cublaslt.cuh). The three GEMMs of a linear layer y = x W^T, W [out, in]:
+//   forward  Y[M, N]  = X[M, K] W[N, K]^T          bf16 out          (M tokens, N = out, K = in)
+//   dgrad    dX[M, N] = dY[M, K] W[K, N]           bf16 out          (M tokens, N = in,  K = out)
+//   wgrad    dW[M, N] (+)= dY[K, M]^T X[K, N]      fp32 out          (M = out, N = in,   K tokens)
+// Every matrix is dense row-major (leading dimension = its column count). Requirements (TMA): row
+// strides multiples of 16 bytes, i.e. K, and the columns of W (dgrad) or of dY and X (wgrad), multiples
+// of 8; N a multiple of 8; pointers 16-byte aligned. Any M, N, K tails beyond that are handled.
+//
+// gemm_run() (gemm_launch.cuh) is the same GEMM with an epilogue program; the functions here are the
+// identity program. A GemmTile may be forced (benchmarks, tests); Auto picks per shape.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace coda {
+
+enum class GemmLayout { Forward, Dgrad, Wgrad };
+
+// Cooperative128x256: both consumer warpgroups on one 128 x 256 tile (4-stage ring), for long K.
+// PingPong128x128: each consumer warpgroup its own 128 x 128 tile (6-stage ring), so epilogues hide
+// under the other warpgroup's MMAs; for short K and epilogue-heavy programs.
+enum class GemmTile { Auto, Cooperative128x256, PingPong128x128 };
+
+GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K);
+int gemm_tile_n(GemmTile tile);  // N tile width: row partials of a program come per tile_n columns
+const char* gemm_tile_name(GemmTile tile);
+
+void gemm_forward(__nv_bfloat16* Y, const __nv_bfloat16* X, const __nv_bfloat16* W, int M, int N, int K,
+                  cudaStream_t stream, GemmTile tile = GemmTile::Auto);
+void gemm_dgrad(__nv_bfloat16* dX, const __nv_bfloat16* dY, const __nv_bfloat16* W, int M, int N, int K,
+                cudaStream_t stream, GemmTile tile = GemmTile::Auto);
+// Split over K (reduce-add of partial tiles) whenever that balances the SMs better; accumulate = false
+// zeroes dW first in that case.
+void gemm_wgrad(float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X, int M, int N, int K, bool accumulate,
+                cudaStream_t stream, GemmTile tile = GemmTile::Auto);
+
+}  // namespace coda

@@ -1,0 +1,322 @@
+// The CODA GEMM mainloop (sm_90a): D[M, N] = A B with bf16 operands, fp32 accumulation, and an epilogue
+// program (kernels/epilogue/epilogue.cuh) applied to the accumulators before they are stored.
+//
+// Structure (one CTA per SM, persistent, 384 threads = 3 warpgroups):
+//  * warpgroup 0 is the PRODUCER: it gives registers back (setmaxnreg 40) and one thread streams
+//    128 x 64 tiles of A and BN x 64 tiles of B with TMA into a ring of shared-memory stages. Stage s
+//    has two mbarriers: full[s] (TMA bytes landed) and empty[s] (the consumers' MMAs finished with it).
+//  * warpgroups 1 and 2 are CONSUMERS (setmaxnreg 232): wgmma straight from the swizzled stages, one
+//    wgmma group kept in flight, a stage released as soon as the MMAs that read it are complete.
+//      cooperative: both consumers work on every tile, each on 64 of its 128 rows (m64nBNk16);
+//      ping-pong:   consumer w takes every other tile, all 128 rows (two m64 sub-blocks), so one
+//                   consumer's epilogue runs while the other one keeps the tensor cores busy. The
+//                   two mainloops take turns through a pair of "turn" mbarriers: a consumer starts
+//                   waiting on its stages only after the other has waited on all of its own. This is
+//                   required, not just tidy: a parity wait can only tell the current phase from the
+//                   one before, so a consumer that skipped ahead by a whole tile would see a stage
+//                   "full" one phase early (measured: hangs and faults without the turn barriers).
+//  * epilogue: the program visits the accumulator fragments chunk by chunk (64 rows x 128 bytes of
+//    output), each chunk is written to a 128B-swizzled staging buffer (two per consumer, so the TMA
+//    store of one overlaps the filling of the other), fenced for the async proxy, and stored by TMA
+//    (or reduce-added into D when accumulating). TMA clips rows >= M and columns >= N, and zero-fills
+//    out-of-range loads, so tails need no special code.
+//  * schedule: work units are (tile, k range); CTA c takes units c, c + grid, ... Tiles come in grouped
+//    order (group_m tile rows sweep across N, so the CTAs in flight share A and B tiles in L2). Split-K
+//    (weight gradients: fp32 output, identity program, few output tiles over a long K): the units are
+//    ordered split-major, so the CTAs in flight all read the SAME k range of different tiles and the
+//    operands are fetched from HBM about once; partial tiles are summed by TMA reduce-adds. (A first
+//    version gave each CTA one contiguous range of tiles x k-blocks, "stream-K": perfectly balanced,
+//    but concurrent CTAs then read unrelated tiles and the weight gradients ran at 0.6-0.8x cuBLAS.)
+//
+// Layout of A and B in shared memory: TMA boxes with 128-byte inner rows, 128B swizzle.
+//  * K-major operand (forward X and W, dgrad dY): one box {64 k, rows}: row r at r*128 B.
+//  * MN-major operand (dgrad W, wgrad dY and X): boxes {64 m|n, 64 k}, one per 64 columns, 8 KiB apart;
+//    wgmma reads them transposed (imm-trans = 1).
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/epilogue/epilogue.cuh"
+#include "kernels/gemm/sm90.cuh"
+
+namespace coda::gemm_detail {
+
+// Runtime description of one launch (host fills it, every role of every CTA reads it).
+struct Params {
+  int M, N, K;         // accumulator shape
+  int k_blocks;        // ceil(K / 64)
+  int tiles_m, tiles_n;
+  int group_m;         // tile rows per L2 group
+  int splits;          // K ranges per tile (1: whole tiles)
+  int kb_per_split;    // k-blocks per K range: ceil(k_blocks / splits)
+  int accumulate;      // 1: D += result (TMA reduce-add); 0: D = result
+};
+
+template <int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_>
+struct Config {
+  using OutT = OutT_;
+  static constexpr int kBM = 128, kBN = kBN_, kBK = 64;  // kBK * 2 B = one 128-byte swizzle row
+  static constexpr bool kPingPong = kPingPong_, kAKMajor = kAKMajor_, kBKMajor = kBKMajor_;
+  static constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
+  static constexpr int kBlockBytes = 64 * 128;               // one 64-row x 128-byte box
+  static constexpr int kStagingBytes = 2 * 2 * kBlockBytes;  // 2 consumers x 2 buffers
+  static constexpr int kBarrierBytes = 256;
+  static constexpr int kSmemLimit = 232448;                  // sm_90 opt-in maximum per block (227 KiB)
+  static constexpr int kStages = (kSmemLimit - 1024 - kStagingBytes - kBarrierBytes) / kStageBytes;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + kBarrierBytes;
+  static constexpr int kSubs = kPingPong ? 2 : 1;            // m64 sub-blocks per consumer and tile
+  static constexpr int kAcc = kBN / 2;                       // fp32 accumulators per thread and sub-block
+  static constexpr int kEmptyArrivals = kPingPong ? 4 : 8;   // lane 0 of each consuming warp
+  static constexpr int kTurnArrivals = 4;                    // lane 0 of each warp of the other consumer
+  static_assert(kBN == 128 || kBN == 256, "wgmma wrappers exist for n = 128 and 256");
+  static_assert(kStages >= 3, "shared memory ring too shallow");
+  static_assert((2 * kStages + 2) * 8 <= kBarrierBytes, "barrier area too small");
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages must keep 1024-byte alignment");
+};
+
+struct Unit {
+  int m_tile, n_tile, kb_begin, kb_end;
+};
+
+// This CTA's units, in order. Producer and consumers each walk the same sequence.
+class Scheduler {
+ public:
+  __device__ explicit Scheduler(const Params& p)
+      : k_blocks_(p.k_blocks), kb_per_split_(p.kb_per_split), tiles_m_(p.tiles_m), tiles_n_(p.tiles_n),
+        group_m_(p.group_m), tiles_(p.tiles_m * p.tiles_n), next_(blockIdx.x), end_(p.tiles_m * p.tiles_n * p.splits) {}
+
+  __device__ bool next(Unit& u) {
+    if (next_ >= end_) return false;
+    const int split = next_ / tiles_, t = next_ - split * tiles_;
+    u.kb_begin = split * kb_per_split_;
+    u.kb_end = u.kb_begin + kb_per_split_ < k_blocks_ ? u.kb_begin + kb_per_split_ : k_blocks_;
+    next_ += gridDim.x;
+    // Grouped order: group_m tile rows at a time, the row index fastest.
+    const int span = group_m_ * tiles_n_;
+    const int first_m = t / span * group_m_;
+    const int rows = tiles_m_ - first_m < group_m_ ? tiles_m_ - first_m : group_m_;
+    const int r = t % span;
+    u.m_tile = first_m + r % rows;
+    u.n_tile = r / rows;
+    return true;
+  }
+
+ private:
+  int k_blocks_, kb_per_split_, tiles_m_, tiles_n_, group_m_, tiles_, next_, end_;
+};
+
+template <class Cfg>
+__device__ __forceinline__ void produce(const CUtensorMap* map_a, const CUtensorMap* map_b, const Params& p,
+                                        uint8_t* ring, uint64_t* full, uint64_t* empty) {
+  Scheduler sched(p);
+  Unit u;
+  uint32_t it = 0;
+  while (sched.next(u)) {
+    const int m0 = u.m_tile * Cfg::kBM, n0 = u.n_tile * Cfg::kBN;
+    for (int kb = u.kb_begin; kb < u.kb_end; ++kb, ++it) {
+      const uint32_t slot = it % Cfg::kStages, parity = (it / Cfg::kStages) & 1;
+      sm90::mbar_wait(&empty[slot], parity ^ 1);
+      uint8_t* a = ring + slot * Cfg::kStageBytes;
+      uint8_t* b = a + Cfg::kABytes;
+      sm90::mbar_arrive_expect_tx(&full[slot], Cfg::kStageBytes);
+      const int k0 = kb * Cfg::kBK;
+      if constexpr (Cfg::kAKMajor) {
+        sm90::tma_load_2d(a, map_a, &full[slot], k0, m0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < Cfg::kBM / 64; ++j) sm90::tma_load_2d(a + j * Cfg::kBlockBytes, map_a, &full[slot], m0 + 64 * j, k0);
+      }
+      if constexpr (Cfg::kBKMajor) {
+        sm90::tma_load_2d(b, map_b, &full[slot], k0, n0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < Cfg::kBN / 64; ++j) sm90::tma_load_2d(b + j * Cfg::kBlockBytes, map_b, &full[slot], n0 + 64 * j, k0);
+      }
+    }
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void mma(float (&acc)[Cfg::kAcc], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  constexpr int kTransA = Cfg::kAKMajor ? 0 : 1, kTransB = Cfg::kBKMajor ? 0 : 1;
+  if constexpr (Cfg::kBN == 256)
+    sm90::wgmma_m64n256k16<kTransA, kTransB>(acc, desc_a, desc_b, accumulate);
+  else
+    sm90::wgmma_m64n128k16<kTransA, kTransB>(acc, desc_a, desc_b, accumulate);
+}
+
+// Descriptor of the 16-wide k step `k` of a 64-row (A) or BN-row (B) operand block at `base`.
+template <bool kKMajor>
+__device__ __forceinline__ uint64_t operand_descriptor(uint32_t base, int k) {
+  if constexpr (kKMajor) return sm90::sw128_descriptor(base + k * 32, 16, 1024);
+  return sm90::sw128_descriptor(base + k * 2048, 64 * 128, 1024);
+}
+
+// Two output values (or one after a 2->1 program) into the swizzled staging buffer.
+template <class OutT, int kWidth>
+__device__ __forceinline__ void stage_values(uint8_t* buf, int row, int out_col, const float* v) {
+  uint8_t* dst = buf + sm90::sw128_offset(row, out_col * static_cast<int>(sizeof(OutT)));
+  if constexpr (std::is_same_v<OutT, float>) {
+    if constexpr (kWidth == 2)
+      *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+    else
+      *reinterpret_cast<float*>(dst) = v[0];
+  } else {
+    if constexpr (kWidth == 2)
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v[0], v[1]);
+    else
+      *reinterpret_cast<__nv_bfloat16*>(dst) = __float2bfloat16_rn(v[0]);
+  }
+}
+
+template <class Cfg, class Program>
+__device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d, const Params& p,
+                                        const Program& program, uint8_t* ring, uint8_t* staging, uint64_t* full,
+                                        uint64_t* empty, uint64_t* turn) {
+  using OutT = typename Cfg::OutT;
+  constexpr int kRatio = Program::kColsPerOut;               // accumulator columns per output column
+  constexpr int kWidth = kRatio == 1 ? 2 : 1;                // output values per fragment
+  constexpr int kOutCols = 128 / static_cast<int>(sizeof(OutT));  // output columns per staged chunk
+  constexpr int kChunkGroups = kOutCols * kRatio / 8;        // 8-column accumulator groups per chunk
+  constexpr int kChunks = Cfg::kBN / (kOutCols * kRatio);
+  static_assert(kRatio == 1 || kRatio == 2, "programs map 2 -> 2 or 2 -> 1");
+  static_assert(kChunks >= 1 && Cfg::kBN % (kOutCols * kRatio) == 0, "tile must hold whole chunks");
+
+  const int warp = t / 32, lane = t % 32;
+  const int r0 = warp * 16 + lane / 4;  // row of slot 0 inside a 64-row block; slot 1 is r0 + 8
+  const int out_cols = p.N / kRatio;
+  uint8_t* my_staging = staging + cw * 2 * Cfg::kBlockBytes;
+  const uint32_t ring_base = sm90::smem_u32(ring);
+
+  float acc[Cfg::kSubs][Cfg::kAcc];
+#pragma unroll
+  for (int s = 0; s < Cfg::kSubs; ++s)
+#pragma unroll
+    for (int i = 0; i < Cfg::kAcc; ++i) acc[s][i] = 0.0f;
+
+  Scheduler sched(p);
+  Unit u;
+  uint32_t it = 0;
+  int unit_index = 0, my_units = 0, chunk_count = 0;
+  while (sched.next(u)) {
+    const int k_blocks = u.kb_end - u.kb_begin;
+    if constexpr (Cfg::kPingPong) {
+      if ((unit_index++ & 1) != cw) {  // the other consumer's tile: skip its stages
+        it += k_blocks;
+        continue;
+      }
+      // Consumer 0's first turn is free (a wait for parity 1 on a fresh barrier succeeds at once).
+      sm90::mbar_wait(&turn[cw], (my_units++ & 1) ^ (cw == 0 ? 1 : 0));
+    }
+
+    // ---- mainloop ----
+    uint32_t prev_slot = 0;
+    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+      const uint32_t slot = it % Cfg::kStages, parity = (it / Cfg::kStages) & 1;
+      sm90::mbar_wait(&full[slot], parity);
+      const uint32_t a_base = ring_base + slot * Cfg::kStageBytes, b_base = a_base + Cfg::kABytes;
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < Cfg::kBK / 16; ++k) {
+        const uint64_t desc_b = operand_descriptor<Cfg::kBKMajor>(b_base, k);
+#pragma unroll
+        for (int s = 0; s < Cfg::kSubs; ++s) {
+          const int block = Cfg::kPingPong ? s : cw;
+          const uint64_t desc_a = operand_descriptor<Cfg::kAKMajor>(a_base + block * Cfg::kBlockBytes, k);
+          mma<Cfg>(acc[s], desc_a, desc_b, (kb > 0 || k > 0) ? 1 : 0);
+        }
+      }
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
+      if (kb > 0 && lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
+      prev_slot = slot;
+    }
+    if (Cfg::kPingPong && lane == 0) sm90::mbar_arrive(&turn[cw ^ 1]);  // all my stages waited on: your turn
+    sm90::wgmma_wait<0>();
+    if (lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
+#pragma unroll
+    for (int s = 0; s < Cfg::kSubs; ++s) sm90::fence_registers(acc[s]);
+
+    // ---- epilogue ----
+    const int n0 = u.n_tile * Cfg::kBN;
+#pragma unroll
+    for (int s = 0; s < Cfg::kSubs; ++s) {
+      const int m_block = u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64;
+      if (m_block >= p.M) continue;
+      const epi::RowCtx ctx{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
+      Program prog = program;
+      prog.begin_rows(ctx);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const int out_col0 = n0 / kRatio + c * kOutCols;
+        if (out_col0 >= out_cols) break;
+        uint8_t* buf = my_staging + (chunk_count++ & 1) * Cfg::kBlockBytes;
+        if (t == 0) sm90::bulk_wait_read<1>();  // the store that last read `buf` is done with it
+        sm90::named_barrier(1 + cw, 128);
+#pragma unroll
+        for (int g = 0; g < kChunkGroups; ++g) {
+          const int j = c * kChunkGroups + g;  // 8-column group of the tile
+          const int col = n0 + j * 8 + 2 * (lane & 3);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {acc[s][4 * j + 2 * h], acc[s][4 * j + 2 * h + 1]}};
+            prog.visit(f, ctx);
+            stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) / kRatio - c * kOutCols, f.v);
+          }
+        }
+        sm90::fence_proxy_async_smem();
+        sm90::named_barrier(1 + cw, 128);
+        if (t == 0) {
+          if (p.accumulate)
+            sm90::tma_reduce_add_2d(map_d, buf, out_col0, m_block);
+          else
+            sm90::tma_store_2d(map_d, buf, out_col0, m_block);
+          sm90::bulk_commit();
+        }
+      }
+      prog.end_rows(ctx, epi::QuadLanes{lane});
+    }
+  }
+  if (t == 0) sm90::bulk_wait<0>();
+}
+
+template <class Cfg, class Program>
+__global__ void __launch_bounds__(384, 1)
+    gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                const __grid_constant__ CUtensorMap map_d, const Params p, const Program program) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);  // swizzle atoms
+  uint8_t* ring = smem;
+  uint8_t* staging = ring + Cfg::kStages * Cfg::kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Cfg::kStagingBytes);
+  uint64_t* empty = full + Cfg::kStages;
+  uint64_t* turn = empty + Cfg::kStages;
+
+  const int warpgroup = threadIdx.x / 128, t = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    sm90::prefetch_tensor_map(&map_a);
+    sm90::prefetch_tensor_map(&map_b);
+    sm90::prefetch_tensor_map(&map_d);
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      sm90::mbar_init(&full[s], 1);
+      sm90::mbar_init(&empty[s], Cfg::kEmptyArrivals);
+    }
+    sm90::mbar_init(&turn[0], Cfg::kTurnArrivals);
+    sm90::mbar_init(&turn[1], Cfg::kTurnArrivals);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    sm90::regs_release<40>();
+    if (t == 0) produce<Cfg>(&map_a, &map_b, p, ring, full, empty);
+  } else {
+    sm90::regs_claim<232>();
+    consume<Cfg>(warpgroup - 1, t, &map_d, p, program, ring, staging, full, empty, turn);
+  }
+}
+
+}  // namespace coda::gemm_detail

@@ -1,0 +1,62 @@
+// gemm_run(): the GEMM of gemm.cuh with an epilogue program, instantiated in the caller's translation
+// unit (one kernel per layout, tile configuration, output type and program). Include this only from
+// .cu files that launch CODA kernels; everything non-template lives in gemm.cu.
+//
+// Programs that change the output width (2->1 maps) store N / kColsPerOut output columns. Programs with
+// partial reductions must see whole tiles, so they never run split over K; accumulate = true adds the
+// program's output into D (TMA reduce-add).
+#pragma once
+#include <cuda.h>
+
+#include "kernels/cuda_check.cuh"
+#include "kernels/epilogue/epilogue.cuh"
+#include "kernels/gemm/gemm.cuh"
+#include "kernels/gemm/gemm_kernel.cuh"
+
+namespace coda {
+namespace gemm_detail {
+
+struct Launch {
+  CUtensorMap a, b, d;
+  Params p;
+  int grid;
+};
+
+// Validates the shape, builds the three tensor maps and the schedule (gemm.cu).
+Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, void* D, const void* A,
+               const void* B, int M, int N, int K, bool accumulate, bool identity_program, cudaStream_t stream);
+
+template <class Cfg, class Program>
+void launch(const Launch& l, const Program& program, cudaStream_t stream) {
+  auto* kernel = gemm_kernel<Cfg, Program>;
+  static const bool configured = [kernel] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+    return true;
+  }();
+  (void)configured;
+  kernel<<<l.grid, 384, Cfg::kSmemBytes, stream>>>(l.a, l.b, l.d, l.p, program);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <class Program>
+constexpr bool is_identity = std::is_same_v<Program, epi::Program<>>;
+
+}  // namespace gemm_detail
+
+template <GemmLayout kLayout, class OutT, class Program>
+void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat16* B, int M, int N, int K,
+              bool accumulate, const Program& program, cudaStream_t stream) {
+  using namespace gemm_detail;
+  static_assert(std::is_same_v<OutT, float> || std::is_same_v<OutT, __nv_bfloat16>, "bf16 or fp32 output");
+  constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
+  constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
+  if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K);
+  const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, D, A, B, M, N, K,
+                           accumulate, is_identity<Program>, stream);
+  if (tile == GemmTile::Cooperative128x256)
+    launch<Config<256, false, kAKMajor, kBKMajor, OutT>>(l, program, stream);
+  else
+    launch<Config<128, true, kAKMajor, kBKMajor, OutT>>(l, program, stream);
+}
+
+}  // namespace coda

@@ -1,0 +1,159 @@
+// Epilogue programs evaluated on the host (the same __host__ __device__ hooks the GEMM runs) against the
+// plain math they stand for: each test writes the formula out independently, loop by loop.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/epilogue/epilogue.cuh"
+
+namespace {
+
+using namespace coda::epi;
+
+std::vector<float> random_vector(size_t n, float lo, float hi, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+double gelu_reference(double x) { return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
+
+// Shapes with N not a multiple of the tile width, so the last N tile is partial.
+constexpr int kM = 23, kN = 200, kTile = 64;
+constexpr int kTiles = (kN + kTile - 1) / kTile;
+
+TEST(Epilogue, RowScaleColumnBiasGelu) {
+  const auto acc = random_vector(kM * kN, -3.0f, 3.0f, 1);
+  const auto r = random_vector(kM, 0.5f, 2.0f, 2);
+  const auto b = random_vector(kN, -1.0f, 1.0f, 3);
+  auto program = make_program(RowBroadcast<Mul>(r.data()), ColBroadcast<Add>(b.data()), Elementwise<Gelu>());
+  std::vector<float> out(kM * kN, NAN);
+  evaluate_on_host(program, acc.data(), kM, kN, kTile, out.data());
+  for (int i = 0; i < kM; ++i)
+    for (int j = 0; j < kN; ++j)
+      ASSERT_NEAR(out[i * kN + j], gelu_reference(double(r[i]) * acc[i * kN + j] + b[j]), 1e-5) << i << "," << j;
+}
+
+TEST(Epilogue, SwiGluPairwiseHalvesTheWidth) {
+  const auto acc = random_vector(kM * kN, -4.0f, 4.0f, 4);
+  auto program = make_program(Pairwise<SwiGlu>());
+  static_assert(decltype(program)::kColsPerOut == 2, "2 -> 1 map halves the output");
+  std::vector<float> out(kM * kN / 2, NAN);
+  evaluate_on_host(program, acc.data(), kM, kN, kTile, out.data());
+  for (int i = 0; i < kM; ++i)
+    for (int j = 0; j < kN / 2; ++j) {
+      const double g = acc[i * kN + 2 * j], u = acc[i * kN + 2 * j + 1];
+      ASSERT_NEAR(out[i * kN / 2 + j], g / (1.0 + std::exp(-g)) * u, 1e-5) << i << "," << j;
+    }
+}
+
+TEST(Epilogue, RopeRotatesAdjacentPairsOfQueryAndKeyHeads) {
+  // Rows are tokens of sequences of length T; columns: 2 q heads, 1 k head, 1 v head of width hd.
+  const int T = 5, hd = 16, rot_cols = 3 * hd, N = 4 * hd, M = 2 * T + 3;
+  const float theta = 10000.0f;
+  const auto acc = random_vector(M * N, -2.0f, 2.0f, 5);
+  auto program = make_program(Pairwise<Rope>(Rope{T, hd, rot_cols, std::log2(theta)}));
+  std::vector<float> out(M * N, NAN);
+  evaluate_on_host(program, acc.data(), M, N, 32, out.data());
+  for (int i = 0; i < M; ++i)
+    for (int c = 0; c < N; c += 2) {
+      const double a = acc[i * N + c], b = acc[i * N + c + 1];
+      double ea = a, eb = b;
+      if (c < rot_cols) {
+        const double angle = (i % T) * std::pow(theta, -double(c % hd) / hd);
+        ea = a * std::cos(angle) - b * std::sin(angle);
+        eb = a * std::sin(angle) + b * std::cos(angle);
+      }
+      ASSERT_NEAR(out[i * N + c], ea, 1e-4) << i << "," << c;
+      ASSERT_NEAR(out[i * N + c + 1], eb, 1e-4) << i << "," << c;
+    }
+}
+
+TEST(Epilogue, RowSumOfSquaresPartialsAddUpToTheRow) {
+  const auto acc = random_vector(kM * kN, -2.0f, 2.0f, 6);
+  std::vector<float> partials(kM * kTiles, NAN), out(kM * kN);
+  evaluate_on_host(make_program(RowReduce<SumSquares>(partials.data())), acc.data(), kM, kN, kTile, out.data());
+  for (int i = 0; i < kM; ++i) {
+    double row = 0.0, sum_of_partials = 0.0;
+    for (int t = 0; t < kTiles; ++t) {
+      double tile = 0.0;
+      for (int j = t * kTile; j < std::min(kN, (t + 1) * kTile); ++j) tile += double(acc[i * kN + j]) * acc[i * kN + j];
+      EXPECT_NEAR(partials[i * kTiles + t], tile, 1e-4 * tile);
+      sum_of_partials += partials[i * kTiles + t];
+      row += tile;
+    }
+    EXPECT_NEAR(sum_of_partials, row, 1e-5 * row);
+    for (int j = 0; j < kN; ++j) ASSERT_EQ(out[i * kN + j], acc[i * kN + j]) << "a reduction leaves the values";
+  }
+}
+
+TEST(Epilogue, OnlineLogSumExpPartialsMergeToTheFullRow) {
+  // Large logits: a naive sum of exp would overflow float.
+  const int N = 1000;
+  const int tiles = (N + kTile - 1) / kTile;
+  const auto acc = random_vector(kM * N, -60.0f, 95.0f, 7);
+  std::vector<LogSumExp::Out> partials(kM * tiles);
+  std::vector<float> out(kM * N);
+  evaluate_on_host(make_program(RowReduce<LogSumExp>(partials.data())), acc.data(), kM, N, kTile, out.data());
+  for (int i = 0; i < kM; ++i) {
+    double mx = -INFINITY;
+    for (int j = 0; j < N; ++j) mx = std::max(mx, double(acc[i * N + j]));
+    double s = 0.0;
+    for (int j = 0; j < N; ++j) s += std::exp(acc[i * N + j] - mx);
+    const double lse = mx + std::log(s);
+    EXPECT_NEAR(merge_lse(&partials[i * tiles], tiles), lse, 1e-4 * std::abs(lse)) << "row " << i;
+  }
+}
+
+TEST(Epilogue, RowPickFindsTheTargetColumn) {
+  const auto acc = random_vector(kM * kN, -5.0f, 5.0f, 8);
+  std::vector<int32_t> target(kM);
+  std::mt19937 rng(9);
+  for (auto& t : target) t = static_cast<int32_t>(rng() % kN);
+  std::vector<float> picked(kM, NAN), out(kM * kN);
+  evaluate_on_host(make_program(RowPick(target.data(), picked.data())), acc.data(), kM, kN, kTile, out.data());
+  for (int i = 0; i < kM; ++i) EXPECT_EQ(picked[i], acc[i * kN + target[i]]) << "row " << i;
+}
+
+TEST(Epilogue, TileLoadAuxStoreThenMap) {
+  // Residual add, keep the pre-activation, then GELU: out = gelu(acc + res), aux = acc + res.
+  const auto acc = random_vector(kM * kN, -2.0f, 2.0f, 10);
+  const auto res_f = random_vector(kM * kN, -2.0f, 2.0f, 11);
+  std::vector<__nv_bfloat16> res(kM * kN);
+  for (size_t i = 0; i < res.size(); ++i) res[i] = __float2bfloat16(res_f[i]);
+  std::vector<float> aux(kM * kN, NAN), out(kM * kN, NAN);
+  auto program = make_program(TileLoad<Add>(res.data(), kN), StoreAux<float>(aux.data(), kN), Elementwise<Gelu>());
+  evaluate_on_host(program, acc.data(), kM, kN, kTile, out.data());
+  for (int i = 0; i < kM * kN; ++i) {
+    const double pre = acc[i] + double(__bfloat162float(res[i]));
+    ASSERT_NEAR(aux[i], pre, 1e-6) << i;
+    ASSERT_NEAR(out[i], gelu_reference(pre), 1e-5) << i;
+  }
+}
+
+TEST(Epilogue, ReductionAfterATwoToOneMapSeesTheHalfWidthValues) {
+  const auto acc = random_vector(kM * kN, -3.0f, 3.0f, 12);
+  const auto r = random_vector(kM, 0.5f, 2.0f, 13);
+  std::vector<float> partials(kM * kTiles, NAN), out(kM * kN / 2, NAN);
+  auto program =
+      make_program(RowBroadcast<Mul>(r.data()), Pairwise<SwiGlu>(), RowReduce<SumSquares>(partials.data()));
+  evaluate_on_host(program, acc.data(), kM, kN, kTile, out.data());
+  for (int i = 0; i < kM; ++i) {
+    for (int t = 0; t < kTiles; ++t) {
+      double expected = 0.0;
+      for (int j = t * kTile / 2; j < std::min(kN, (t + 1) * kTile) / 2; ++j) {
+        const double g = r[i] * double(acc[i * kN + 2 * j]), u = r[i] * double(acc[i * kN + 2 * j + 1]);
+        const double y = g / (1.0 + std::exp(-g)) * u;
+        ASSERT_NEAR(out[i * kN / 2 + j], y, 1e-4 * (1.0 + std::abs(y)));
+        expected += y * y;
+      }
+      EXPECT_NEAR(partials[i * kTiles + t], expected, 1e-4 * (1.0 + expected)) << i << "," << t;
+    }
+  }
+}
+
+}  // namespace
