@@ -156,4 +156,31 @@ TEST(Epilogue, ReductionAfterATwoToOneMapSeesTheHalfWidthValues) {
   }
 }
 
+// Column partials per 16-row group (kM = 23: one full group, one partial) after a 2->1 map, row dots
+// against a column vector, and the scaled subtraction of a bf16 tile.
+TEST(Epilogue, ColumnPartialsRowDotsAndScaledSubtraction) {
+  const int out_cols = kN / 2, groups = (kM + 15) / 16;
+  const auto acc = random_vector(kM * kN, -3.0f, 3.0f, 14);
+  const auto alpha = random_vector(kM, -1.5f, 1.5f, 15), c = random_vector(out_cols, -1.0f, 1.0f, 16);
+  const auto t = random_vector(kM * out_cols, -2.0f, 2.0f, 17);
+  std::vector<__nv_bfloat16> tile(t.size());
+  for (size_t i = 0; i < t.size(); ++i) tile[i] = __float2bfloat16_rn(t[i]);
+  std::vector<float> col_p(groups * out_cols, NAN), row_p(kM * kTiles, NAN), out(kM * out_cols, NAN);
+  auto program = make_program(Pairwise<SwiGlu>(), SubScaled<Tile>(alpha.data(), Tile{tile.data(), out_cols}),
+                              ColDot<Ones>(Ones{}, col_p.data(), out_cols),
+                              RowDot<ColVector>(ColVector{c.data()}, row_p.data()));
+  evaluate_on_host(program, acc.data(), kM, kN, kTile, out.data());
+  std::vector<double> col_sum(groups * out_cols, 0.0), row_dot(kM * kTiles, 0.0);
+  for (int i = 0; i < kM; ++i)
+    for (int j = 0; j < out_cols; ++j) {
+      const double g = acc[i * kN + 2 * j], u = acc[i * kN + 2 * j + 1];
+      const double y = g / (1.0 + std::exp(-g)) * u - alpha[i] * double(__bfloat162float(tile[i * out_cols + j]));
+      ASSERT_NEAR(out[i * out_cols + j], y, 1e-4 * (1.0 + std::abs(y))) << i << "," << j;
+      col_sum[(i / 16) * out_cols + j] += y;
+      row_dot[i * kTiles + 2 * j / kTile] += y * c[j];
+    }
+  for (size_t k = 0; k < col_sum.size(); ++k) EXPECT_NEAR(col_p[k], col_sum[k], 1e-4 * (1.0 + std::abs(col_sum[k])));
+  for (size_t k = 0; k < row_dot.size(); ++k) EXPECT_NEAR(row_p[k], row_dot[k], 1e-4 * (1.0 + std::abs(row_dot[k])));
+}
+
 }  // namespace

@@ -18,8 +18,10 @@
 // __host__ __device__, so tests/test_epilogue.cpp checks the same code that runs in the GEMM.
 //
 // Conventions: accumulator columns are the GEMM's N columns; a 2->1 pairwise map halves the output width
-// (frag.stride becomes 2, output column = col / stride); N is even, so a frag is valid iff col < N.
-// Partial reductions are written per (row, N tile) to a buffer [M, tiles_n] (row-major, fp32); whoever
+// (frag.stride becomes 2), a 1->2 map (SwiGluBackward) doubles it (frag.expand becomes 2): output column
+// = col * expand / stride (out_col). N is even, so a frag is valid iff col < N.
+// Row partial reductions are written per (row, N tile) to a buffer [M, tiles_n] (row-major, fp32);
+// column partial reductions per (16-row group, output column) to a buffer [ceil(M / 16), ld]. Whoever
 // consumes them finishes them (sum of partials, or merge_lse for log-sum-exp). No global atomics.
 #pragma once
 #include <cuda_bf16.h>
@@ -41,8 +43,12 @@ struct Frag {
   int col;     // accumulator column of v[0] (even)
   int width;   // valid values in v: 2, or 1 after a 2->1 map
   int stride;  // accumulator columns per output column: 1, or 2 after a 2->1 map
-  float v[2];
+  float v[4];  // v[2], v[3] only after a 1->2 map
+  int expand = 1;  // output columns per accumulator column: 1, or 2 after a 1->2 map
 };
+
+// Output column of f.v[0].
+CODA_HD int out_col(const Frag& f) { return f.col * f.expand / f.stride; }
 
 struct RowCtx {
   int rows[2];    // global rows of the slots
@@ -103,6 +109,14 @@ struct Gelu {
     return 0.5f * x * (1.0f + fast_tanh(k * (x + 0.044715f * x * x * x)));
   }
 };
+// GELU backward as a tile-load op: dy * gelu'(x), x the saved pre-activation.
+struct GeluGradMul {
+  CODA_HD float operator()(float dy, float x) const {
+    const float k = 0.7978845608028654f;
+    const float t = fast_tanh(k * (x + 0.044715f * x * x * x));
+    return dy * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * 0.044715f * x * x));
+  }
+};
 
 // Pairwise functions (used through Pairwise<F>): kOut outputs from the pair (a, b) of a Frag, and a
 // begin_rows hook for per-row setup.
@@ -158,9 +172,11 @@ struct Rope {
 // ---- primitives -----------------------------------------------------------------------------------
 
 // Empty hooks; each primitive overrides the ones it needs. kColsPerOut: accumulator columns per output
-// column after this primitive (2 for a 2->1 map).
+// column after this primitive (2 for a 2->1 map); kOutsPerCol: output columns per accumulator column
+// (2 for a 1->2 map).
 struct Primitive {
   static constexpr int kColsPerOut = 1;
+  static constexpr int kOutsPerCol = 1;
   CODA_HD void begin_rows(const RowCtx&) {}
   CODA_HD void visit(Frag&, const RowCtx&) {}
   template <class Lanes>
@@ -188,7 +204,7 @@ struct ColBroadcast : Primitive {
   CODA_HD explicit ColBroadcast(const float* v) : vec(v) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    const int c = f.col / f.stride;
+    const int c = out_col(f);
     for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], vec[c + i]);
   }
 };
@@ -202,7 +218,7 @@ struct TileLoad : Primitive {
   CODA_HD TileLoad(const __nv_bfloat16* s, int l) : src(s), ld(l) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N || f.row >= ctx.M) return;
-    const __nv_bfloat16* p = src + static_cast<size_t>(f.row) * ld + f.col / f.stride;
+    const __nv_bfloat16* p = src + static_cast<size_t>(f.row) * ld + out_col(f);
     for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], __bfloat162float(p[i]));
   }
 };
@@ -243,7 +259,7 @@ struct StoreAux : Primitive {
   CODA_HD StoreAux(T* d, int l) : dst(d), ld(l) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N || f.row >= ctx.M) return;
-    T* p = dst + static_cast<size_t>(f.row) * ld + f.col / f.stride;
+    T* p = dst + static_cast<size_t>(f.row) * ld + out_col(f);
     for (int i = 0; i < f.width; ++i) p[i] = static_cast<T>(f.v[i]);
   }
 };
@@ -353,6 +369,142 @@ struct RowReduce : Primitive {
   }
 };
 
+// ---- operands: the second factor of a dot or of a scaled subtraction -------------------------------
+// x(f, ctx, i): the operand at (f.row, out_col(f) + i); begin_rows loads per-row data.
+
+struct Ones {
+  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD float operator()(const Frag&, const RowCtx&, int) const { return 1.0f; }
+};
+
+struct ColVector {
+  const float* vec;
+  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD float operator()(const Frag& f, const RowCtx&, int i) const { return vec[out_col(f) + i]; }
+};
+
+struct RowVector {
+  const float* vec;
+  float value[2] = {0.0f, 0.0f};
+  CODA_HD explicit RowVector(const float* v) : vec(v) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+    for (int s = 0; s < ctx.num_slots; ++s) value[s] = ctx.rows[s] < ctx.M ? vec[ctx.rows[s]] : 0.0f;
+  }
+  CODA_HD float operator()(const Frag& f, const RowCtx&, int) const { return value[f.slot]; }
+};
+
+// A bf16 tile of the output's shape (row stride ld); 0 on rows >= M.
+struct Tile {
+  const __nv_bfloat16* src;
+  int ld;
+  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD float operator()(const Frag& f, const RowCtx& ctx, int i) const {
+    return f.row < ctx.M ? __bfloat162float(src[static_cast<size_t>(f.row) * ld + out_col(f) + i]) : 0.0f;
+  }
+};
+
+// Scaled subtraction: v -= alpha[row] * x (the rank-1 term r mu c of the LayerNorm reparameterization
+// with x a ColVector, the u_hat term of a norm backward with x a Tile).
+template <class X>
+struct SubScaled : Primitive {
+  RowVector alpha;
+  X x;
+  CODA_HD SubScaled(const float* a, const X& x_) : alpha(a), x(x_) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+    alpha.begin_rows(ctx);
+    x.begin_rows(ctx);
+  }
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    if (f.col >= ctx.N) return;
+    for (int i = 0; i < f.width; ++i) f.v[i] -= alpha(f, ctx, i) * x(f, ctx, i);
+  }
+};
+
+// Row dot partial: per (row, N tile) sum of v * x (<dz, z> and the other row statistics of a norm
+// backward, taken on dz against a tile or a weight-derived vector).
+template <class X>
+struct RowDot : RowReduce<Sum> {
+  X x;
+  CODA_HD RowDot(const X& x_, float* o) : RowReduce<Sum>(o), x(x_) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+    RowReduce<Sum>::begin_rows(ctx);
+    x.begin_rows(ctx);
+  }
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    if (f.col >= ctx.N) return;
+    for (int i = 0; i < f.width; ++i) a[f.slot] += f.v[i] * x(f, ctx, i);
+  }
+};
+
+// Column dot partial: out[(row / 16) * ld + output column] = sum over the group's 16 rows of v * x
+// (bias gradients with x = Ones, gamma gradients with x a Tile or a RowVector). 16 rows are one warp's
+// share of a 64-row block on the GPU: each thread holds 2 rows (slots 0 and 1, visited one after the
+// other for the same columns) and the 8 lanes with the same lane % 4 hold the other rows, so a warp
+// finishes its partial with three shuffles, and lanes 0-3 write it. N % 8 == 0 keeps the early return
+// uniform over the warp. The host runs one row at a time, in order: the group's first row writes, the
+// others add.
+template <class X>
+struct ColDot : Primitive {
+  static constexpr int kRows = 16;
+  X x;
+  float* out;
+  int ld;
+  float first[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // slot 0's products, GPU only
+  CODA_HD ColDot(const X& x_, float* o, int l) : x(x_), out(o), ld(l) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    if (f.col >= ctx.N) return;
+    float y[4];
+    for (int i = 0; i < f.width; ++i) y[i] = f.row < ctx.M ? f.v[i] * x(f, ctx, i) : 0.0f;
+    float* p = out + static_cast<size_t>(f.row / kRows) * ld + out_col(f);
+#if defined(__CUDA_ARCH__)
+    if (f.slot == 0) {
+      for (int i = 0; i < f.width; ++i) first[i] = y[i];
+      return;
+    }
+    for (int i = 0; i < f.width; ++i) {
+      y[i] += first[i];
+      for (int mask = 4; mask < 32; mask <<= 1) y[i] += __shfl_xor_sync(0xffffffffu, y[i], mask);
+    }
+    if ((threadIdx.x & 31) < 4 && (f.row / kRows) * kRows < ctx.M)
+      for (int i = 0; i < f.width; ++i) p[i] = y[i];
+#else
+    for (int i = 0; i < f.width; ++i) p[i] = (f.row % kRows == 0 ? 0.0f : p[i]) + y[i];
+#endif
+  }
+};
+
+// SwiGLU backward, 1 -> 2. The accumulator is dy, the gradient of y = silu(g) u; with the saved
+// interleaved pair (g, u) at gu[row, 2c], 2c + 1 (c the accumulator column) it writes the interleaved
+// (dg, du) = (dy u silu'(g), dy silu(g)), silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), and stores
+// the recomputed y = silu(g) u to act[row, c] (the down projection's weight-gradient input).
+template <class T>
+struct SwiGluBackward : Primitive {
+  static constexpr int kOutsPerCol = 2;
+  const __nv_bfloat16* gu;
+  int ld_gu;
+  T* act;
+  int ld_act;
+  CODA_HD SwiGluBackward(const __nv_bfloat16* g, int lg, T* a, int la) : gu(g), ld_gu(lg), act(a), ld_act(la) {}
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (f.col < ctx.N && f.row < ctx.M) {
+      for (int i = 0; i < f.width; ++i) {
+        const int c = out_col(f) + i;
+        const __nv_bfloat16* p = gu + static_cast<size_t>(f.row) * ld_gu + 2 * c;
+        const float g = __bfloat162float(p[0]), u = __bfloat162float(p[1]);
+        const float s = 1.0f / (1.0f + fast_exp(-g)), silu = g * s;
+        out[2 * i] = f.v[i] * u * s * (1.0f + g * (1.0f - s));
+        out[2 * i + 1] = f.v[i] * silu;
+        act[static_cast<size_t>(f.row) * ld_act + c] = static_cast<T>(silu * u);
+      }
+    }
+    f.width *= 2;
+    f.expand *= 2;
+    for (int i = 0; i < f.width; ++i) f.v[i] = out[i];
+  }
+};
+
 // ---- programs -------------------------------------------------------------------------------------
 
 template <class... Ps>
@@ -361,6 +513,7 @@ struct Program;
 template <>
 struct Program<> {
   static constexpr int kColsPerOut = 1;
+  static constexpr int kOutsPerCol = 1;
   CODA_HD void begin_rows(const RowCtx&) {}
   CODA_HD void visit(Frag&, const RowCtx&) {}
   template <class Lanes>
@@ -370,6 +523,7 @@ struct Program<> {
 template <class P, class... Rest>
 struct Program<P, Rest...> {
   static constexpr int kColsPerOut = P::kColsPerOut * Program<Rest...>::kColsPerOut;
+  static constexpr int kOutsPerCol = P::kOutsPerCol * Program<Rest...>::kOutsPerCol;
   P head;
   Program<Rest...> tail;
   Program() = default;
@@ -395,10 +549,11 @@ CODA_HD Program<Ps...> make_program(const Ps&... ps) {
 }
 
 // Host evaluation over a plain fp32 accumulator array acc[M, N] (row-major), N tiles of tile_n columns
-// as in the GEMM that will run the program: out[M, N / kColsPerOut] receives the main output.
+// as in the GEMM that will run the program: out[M, N * kOutsPerCol / kColsPerOut] receives the main
+// output. Rows run in order (column partial reductions rely on it).
 template <class Prog>
 void evaluate_on_host(Prog program, const float* acc, int M, int N, int tile_n, float* out) {
-  const int out_cols = N / Prog::kColsPerOut;
+  const int out_cols = N * Prog::kOutsPerCol / Prog::kColsPerOut;
   const int tiles_n = (N + tile_n - 1) / tile_n;
   for (int row = 0; row < M; ++row) {
     for (int t = 0; t < tiles_n; ++t) {
@@ -409,7 +564,7 @@ void evaluate_on_host(Prog program, const float* acc, int M, int N, int tile_n, 
         const float* a = acc + static_cast<size_t>(row) * N + col;
         Frag f{0, row, col, 2, 1, {a[0], a[1]}};
         program.visit(f, ctx);
-        float* o = out + static_cast<size_t>(row) * out_cols + col / f.stride;
+        float* o = out + static_cast<size_t>(row) * out_cols + out_col(f);
         for (int i = 0; i < f.width; ++i) o[i] = f.v[i];
       }
       program.end_rows(ctx, HostLanes{});

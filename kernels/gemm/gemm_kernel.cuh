@@ -183,6 +183,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
   constexpr int kChunkGroups = kOutCols * kRatio / 8;        // 8-column accumulator groups per chunk
   constexpr int kChunks = Cfg::kBN / (kOutCols * kRatio);
   static_assert(kRatio == 1 || kRatio == 2, "programs map 2 -> 2 or 2 -> 1");
+  static_assert(Program::kOutsPerCol == 1, "1 -> 2 programs (SwiGluBackward): staging of 4 values not written yet");
   static_assert(kChunks >= 1 && Cfg::kBN % (kOutCols * kRatio) == 0, "tile must hold whole chunks");
 
   const int warp = t / 32, lane = t % 32;

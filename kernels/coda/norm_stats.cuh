@@ -1,0 +1,82 @@
+// The small pieces around the CODA programs: finishing partials into row statistics and backward
+// coefficients (per row, where a row-broadcast primitive or a tiny kernel needs them), finishing column
+// partials into parameter gradients, and the LayerNorm weight-derived vectors (once per step).
+// All __host__ __device__: the host tests call the same functions the GPU path will.
+//
+// Row partials are rows of a [M, count] buffer (one entry per N tile of the producing GEMM); column
+// partials are [groups, ld] (one row per 16-row group of the producing GEMM), see epilogue.cuh.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "kernels/epilogue/epilogue.cuh"
+
+namespace coda::prog {
+
+CODA_HD float sum_partials(const float* row_partials, int count) {
+  float s = 0.0f;
+  for (int i = 0; i < count; ++i) s += row_partials[i];
+  return s;
+}
+
+// RMSNorm: r = 1 / sqrt(sum(h^2) / d + eps) from the partial sums of h^2.
+CODA_HD float rms_rstd(const float* sumsq_partials, int count, int d, float eps) {
+  return 1.0f / sqrtf(sum_partials(sumsq_partials, count) / static_cast<float>(d) + eps);
+}
+
+// LayerNorm: mu = sum(h) / d, r = 1 / sqrt(sum(h^2) / d - mu^2 + eps) from partial sums of h and h^2.
+struct LnStats {
+  float mean, rstd;
+};
+CODA_HD LnStats ln_stats(const float* sum_p, const float* sumsq_p, int count, int d, float eps) {
+  const float mean = sum_partials(sum_p, count) / static_cast<float>(d);
+  const float var = fmaxf(sum_partials(sumsq_p, count) / static_cast<float>(d) - mean * mean, 0.0f);
+  return {mean, 1.0f / sqrtf(var + eps)};
+}
+
+// RMSNorm backward: dh = r (D (.) gamma) - k h with k = r^2 <dz, z> / d, from the <dz, z> partials.
+CODA_HD float rms_backward_coef(const float* dot_partials, int count, float rstd, int d) {
+  return rstd * rstd * sum_partials(dot_partials, count) / static_cast<float>(d);
+}
+
+// LayerNorm backward: dh = r (D (.) gamma) - k h + e, with
+//   S1 = sum_j dx_hat_j = <du, gamma> = <dz, c>,
+//   S2 = sum_j dx_hat_j x_hat_j = <du, u - beta> = <dz, z - b'>   (z = u W^T + bias, b' = W beta + bias),
+//   k = r^2 S2 / d,  e = k mu - r S1 / d,
+// from the partials of <dz, c>, <dz, z> and <dz, b'>.
+struct LnBackwardCoefs {
+  float tile_coef, row_add;  // k, e
+};
+CODA_HD LnBackwardCoefs ln_backward_coefs(const float* dot_c, const float* dot_z, const float* dot_b, int count,
+                                          LnStats st, int d) {
+  const float s1 = sum_partials(dot_c, count), s2 = sum_partials(dot_z, count) - sum_partials(dot_b, count);
+  const float k = st.rstd * st.rstd * s2 / static_cast<float>(d);
+  return {k, k * st.mean - st.rstd * s1 / static_cast<float>(d)};
+}
+
+// Sum over the 16-row groups of a column partial buffer [groups, ld].
+CODA_HD float sum_column_partials(const float* partials, int groups, int ld, int col) {
+  float s = 0.0f;
+  for (int g = 0; g < groups; ++g) s += partials[static_cast<size_t>(g) * ld + col];
+  return s;
+}
+
+CODA_HD int column_partial_groups(int M) { return (M + epi::ColDot<epi::Ones>::kRows - 1) / epi::ColDot<epi::Ones>::kRows; }
+
+// LayerNorm weight-derived vectors of the linear layer y = LN(h) W^T + bias, W [out, in]; entry n:
+//   c[n] = sum_k gamma[k] W[n, k],   b'[n] = sum_k beta[k] W[n, k] + bias[n]   (bias nullable).
+template <class T>
+CODA_HD void ln_weight_vectors(int n, const T* W, int in, const float* gamma, const float* beta, const float* bias,
+                               float* c, float* b_prime) {
+  float sc = 0.0f, sb = 0.0f;
+  for (int k = 0; k < in; ++k) {
+    const float w = static_cast<float>(W[static_cast<size_t>(n) * in + k]);
+    sc += gamma[k] * w;
+    sb += beta[k] * w;
+  }
+  c[n] = sc;
+  b_prime[n] = sb + (bias ? bias[n] : 0.0f);
+}
+
+}  // namespace coda::prog

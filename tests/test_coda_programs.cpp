@@ -1,0 +1,423 @@
+// The CODA programs of kernels/coda/ evaluated through the host path (evaluate_on_host: the same
+// __host__ __device__ primitives the GEMM runs) and compared with the plain math of the CPU reference
+// (ref::*). For each program: random inputs of realistic scale; the GEMM accumulator computed on the host
+// as the plain product the GEMM would produce (from the reparameterized input, e.g. O = h (.) gamma);
+// the program's main output, aux outputs and partials finished with prog::* against the reference's
+// unfused chain (norm, matmul, activation, loss, and their backward). Tensors the GPU keeps in bf16
+// (h, saved pre-activations, (g, u)) are rounded to bf16 first, so both sides see the same values;
+// aux outputs written in bf16 are compared at bf16 precision, everything else at fp32 precision.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/coda/gpt2_programs.cuh"
+#include "kernels/coda/llama_programs.cuh"
+#include "src/ref_ops.hpp"
+
+namespace {
+
+using namespace coda;
+using Vec = std::vector<float>;
+using Bf16Vec = std::vector<__nv_bfloat16>;
+
+constexpr int kB = 2, kT = 20, kM = kB * kT, kD = 64, kTile = 32;  // kM = 40: a partial 16-row group
+constexpr float kEps = 1e-5f;
+constexpr double kFp32Tol = 2e-5, kBf16Tol = 8e-3;
+
+Vec random_vec(size_t n, float lo, float hi, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  Vec v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// Values exactly representable in bf16 (what the GPU keeps) and their bf16 copy.
+Vec round_bf16(Vec v) {
+  for (float& x : v) x = __bfloat162float(__float2bfloat16_rn(x));
+  return v;
+}
+Bf16Vec to_bf16(const Vec& v) {
+  Bf16Vec b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = __float2bfloat16_rn(v[i]);
+  return b;
+}
+Vec to_float(const Bf16Vec& b) {
+  Vec v(b.size());
+  for (size_t i = 0; i < b.size(); ++i) v[i] = __bfloat162float(b[i]);
+  return v;
+}
+
+// ||a - b|| / ||b||; NaN fails every comparison.
+double rel_err(const Vec& a, const Vec& b) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
+  return std::sqrt(num / den);
+}
+#define EXPECT_CLOSE(a, b, tol) EXPECT_LT(rel_err(a, b), tol) << #a " vs " #b
+
+int tiles(int n) { return (n + kTile - 1) / kTile; }
+
+// Row partials per N tile of sum_j f(i, j), as a RowReduce / RowDot of the producing GEMM writes them.
+template <class F>
+Vec tile_row_sums(int M, int N, F f) {
+  Vec p(size_t(M) * tiles(N), 0.0f);
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) p[size_t(i) * tiles(N) + j / kTile] += f(i, j);
+  return p;
+}
+
+Vec mul_cols(const Vec& x, const Vec& gamma, int M, int N) {  // x (.) gamma, row by row
+  Vec y(x.size());
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) y[size_t(i) * N + j] = x[size_t(i) * N + j] * gamma[j];
+  return y;
+}
+
+// The dgrad GEMM's accumulator dY W (dY [M, OC], W [OC, IC]).
+Vec dgrad_acc(const Vec& dy, const Vec& w, int M, int IC, int OC) {
+  Vec acc(size_t(M) * IC, 0.0f);
+  ref::matmul_backward(acc.data(), nullptr, nullptr, dy.data(), nullptr, w.data(), M, IC, OC);
+  return acc;
+}
+
+Vec column_sums(const Vec& partials, int M, int N) {
+  Vec s(N);
+  for (int j = 0; j < N; ++j) s[j] = prog::sum_column_partials(partials.data(), prog::column_partial_groups(M), N, j);
+  return s;
+}
+
+// Per-row RMSNorm rstd from h^2 partials (what a row-broadcast of the next GEMM uses).
+Vec rms_rstd_rows(const Vec& h) {
+  const Vec p = tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j] * h[i * kD + j]; });
+  Vec r(kM);
+  for (int i = 0; i < kM; ++i) r[i] = prog::rms_rstd(&p[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
+  return r;
+}
+
+// Per-row LayerNorm (r, r mu) and mu from partials of h and h^2.
+struct LnRows {
+  Vec rstd, rstd_mean;
+  std::vector<prog::LnStats> stats;
+};
+LnRows ln_rows(const Vec& h) {
+  const Vec s = tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j]; });
+  const Vec ss = tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j] * h[i * kD + j]; });
+  LnRows out{Vec(kM), Vec(kM), {}};
+  for (int i = 0; i < kM; ++i) {
+    const auto st = prog::ln_stats(&s[size_t(i) * tiles(kD)], &ss[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
+    out.stats.push_back(st);
+    out.rstd[i] = st.rstd;
+    out.rstd_mean[i] = st.rstd * st.mean;
+  }
+  return out;
+}
+
+// ---- Llama --------------------------------------------------------------------------------------------
+
+TEST(CodaLlama, QkvRowScaleAndRopeEqualRmsNormMatmulRope) {
+  const int n_head = 2, n_kv = 1, hd = 16, N = (n_head + 2 * n_kv) * hd;
+  const float theta = 10000.0f;
+  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 1), gamma = random_vec(kD, 0.5f, 1.5f, 2);
+  const Vec w = random_vec(N * kD, -0.15f, 0.15f, 3);
+  Vec u(kM * kD), rstd_ref(kM), z(kM * N);
+  ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
+  ref::matmul_forward(z.data(), u.data(), w.data(), nullptr, kM, kD, N);
+  ref::rope_forward(z.data(), kB, kT, n_head, n_kv, hd, theta);
+
+  Vec acc(kM * N), out(kM * N, NAN);
+  ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, N);
+  const Vec rstd = rms_rstd_rows(h);
+  const epi::Rope rope{kT, hd, (n_head + n_kv) * hd, std::log2(theta)};
+  epi::evaluate_on_host(prog::llama::qkv_program(rstd.data(), rope), acc.data(), kM, N, kTile, out.data());
+  EXPECT_CLOSE(out, z, kFp32Tol);
+}
+
+TEST(CodaLlama, ResidualAddWritesGammaScaledOutputAndRmsPartials) {
+  const Vec x = random_vec(kM * kD, -1.0f, 1.0f, 4), w = random_vec(kD * kD, -0.15f, 0.15f, 5);
+  const Vec res = round_bf16(random_vec(kM * kD, -2.0f, 2.0f, 6)), gamma = random_vec(kD, 0.5f, 1.5f, 7);
+  Vec acc(kM * kD), h(kM * kD), u(kM * kD), rstd_ref(kM);
+  ref::matmul_forward(acc.data(), x.data(), w.data(), nullptr, kM, kD, kD);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = acc[i] + res[i];
+  ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
+
+  const Bf16Vec res_b = to_bf16(res);
+  Bf16Vec h_aux(kM * kD);
+  Vec sumsq(kM * tiles(kD), NAN), O(kM * kD, NAN), rstd(kM), u_coda(kM * kD);
+  epi::evaluate_on_host(prog::llama::residual_program(res_b.data(), h_aux.data(), kD, gamma.data(), sumsq.data()),
+                        acc.data(), kM, kD, kTile, O.data());
+  for (int i = 0; i < kM; ++i) rstd[i] = prog::rms_rstd(&sumsq[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
+  for (int i = 0; i < kM * kD; ++i) u_coda[i] = rstd[i / kD] * O[i];  // what the next GEMM's row scale makes of O
+  EXPECT_CLOSE(to_float(h_aux), h, kBf16Tol);
+  EXPECT_CLOSE(O, mul_cols(h, gamma, kM, kD), kFp32Tol);
+  EXPECT_CLOSE(rstd, rstd_ref, kFp32Tol);
+  EXPECT_CLOSE(u_coda, u, kFp32Tol);
+}
+
+TEST(CodaLlama, GateUpRowScaleSwiGluKeepsGateAndUp) {
+  const int F = 48;
+  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 8), gamma = random_vec(kD, 0.5f, 1.5f, 9);
+  const Vec w = random_vec(2 * F * kD, -0.2f, 0.2f, 10);
+  Vec u(kM * kD), rstd_ref(kM), gu(kM * 2 * F), a(kM * F);
+  ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
+  ref::matmul_forward(gu.data(), u.data(), w.data(), nullptr, kM, kD, 2 * F);
+  ref::swiglu_forward(a.data(), gu.data(), kM, F);
+
+  Vec acc(kM * 2 * F), out(kM * F, NAN);
+  ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, 2 * F);
+  const Vec rstd = rms_rstd_rows(h);
+  Bf16Vec gu_aux(kM * 2 * F);
+  epi::evaluate_on_host(prog::llama::gate_up_program(rstd.data(), gu_aux.data(), 2 * F), acc.data(), kM, 2 * F,
+                        kTile, out.data());
+  EXPECT_CLOSE(out, a, kFp32Tol);
+  EXPECT_CLOSE(to_float(gu_aux), gu, kBf16Tol);
+}
+
+TEST(CodaLlama, LmHeadLossFromLsePartialsAndTargetLogit) {
+  const int V = 96;
+  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 11), gamma = random_vec(kD, 0.5f, 1.5f, 12);
+  const Vec w = random_vec(V * kD, -0.3f, 0.3f, 13);
+  std::vector<int32_t> targets(kM);
+  std::mt19937 rng(14);
+  for (auto& t : targets) t = int32_t(rng() % V);
+  Vec u(kM * kD), rstd_ref(kM), logits(kM * V), losses(kM);
+  ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
+  ref::matmul_forward(logits.data(), u.data(), w.data(), nullptr, kM, kD, V);
+  ref::crossentropy_forward(losses.data(), logits.data(), targets.data(), kM, V, V);
+
+  Vec acc(kM * V), out(kM * V, NAN), target_logit(kM, NAN), loss(kM);
+  ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, V);
+  const Vec rstd = rms_rstd_rows(h);
+  std::vector<epi::LogSumExp::Out> lse(kM * tiles(V));
+  epi::evaluate_on_host(prog::llama::lm_head_program(rstd.data(), targets.data(), target_logit.data(), lse.data()),
+                        acc.data(), kM, V, kTile, out.data());
+  for (int i = 0; i < kM; ++i) loss[i] = epi::merge_lse(&lse[size_t(i) * tiles(V)], tiles(V)) - target_logit[i];
+  EXPECT_CLOSE(out, logits, kFp32Tol);
+  EXPECT_CLOSE(loss, losses, kFp32Tol);
+}
+
+TEST(CodaLlama, NormBackwardDgradThroughDzZIdentity) {
+  const int N = 96;  // the normed GEMM's output width (e.g. qkv)
+  const Vec h = round_bf16(random_vec(kM * kD, -2.0f, 2.0f, 15)), gamma = random_vec(kD, 0.5f, 1.5f, 16);
+  const Vec w = random_vec(N * kD, -0.15f, 0.15f, 17), dz = random_vec(kM * N, -1.0f, 1.0f, 18);
+  Vec u(kM * kD), rstd_ref(kM), z(kM * N), dh(kM * kD, 0.0f), dgamma(kD, 0.0f);
+  ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
+  ref::matmul_forward(z.data(), u.data(), w.data(), nullptr, kM, kD, N);
+  const Vec du = dgrad_acc(dz, w, kM, kD, N);
+  ref::rmsnorm_backward(dh.data(), dgamma.data(), du.data(), h.data(), gamma.data(), rstd_ref.data(), kM, kD);
+
+  // <dz, z> partials from the producer of dz, finished into k = r^2 <dz, z> / d.
+  const Vec dot = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * z[i * N + j]; });
+  const Vec rstd = rms_rstd_rows(h);
+  Vec k(kM);
+  for (int i = 0; i < kM; ++i) k[i] = prog::rms_backward_coef(&dot[size_t(i) * tiles(N)], tiles(N), rstd[i], kD);
+  const Bf16Vec h_b = to_bf16(h);
+  Vec out(kM * kD, NAN), dgamma_p(prog::column_partial_groups(kM) * kD, NAN);
+  epi::evaluate_on_host(prog::llama::norm_backward_program(rstd.data(), h_b.data(), kD, gamma.data(), k.data(),
+                                                           dgamma_p.data()),
+                        du.data(), kM, kD, kTile, out.data());
+  EXPECT_CLOSE(out, dh, kFp32Tol);
+  EXPECT_CLOSE(column_sums(dgamma_p, kM, kD), dgamma, kFp32Tol);
+}
+
+TEST(CodaLlama, SwiGluBackwardInDownDgradWritesInterleavedGradAndDzZ) {
+  const int F = 48;
+  const Vec gu = round_bf16(random_vec(kM * 2 * F, -3.0f, 3.0f, 19));
+  const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 20), w_down = random_vec(kD * F, -0.2f, 0.2f, 21);
+  const Vec da = dgrad_acc(dres, w_down, kM, F, kD);
+  Vec dgu(kM * 2 * F, 0.0f), a(kM * F);
+  ref::swiglu_backward(dgu.data(), da.data(), gu.data(), kM, F);
+  ref::swiglu_forward(a.data(), gu.data(), kM, F);
+  Vec dot_ref(kM, 0.0f);
+  for (int i = 0; i < kM * 2 * F; ++i) dot_ref[i / (2 * F)] += dgu[i] * gu[i];
+
+  const Bf16Vec gu_b = to_bf16(gu);
+  Bf16Vec act(kM * F);
+  Vec out(kM * 2 * F, NAN), dot_p(kM * tiles(F), NAN), dot(kM);
+  auto program = prog::llama::swiglu_backward_program(gu_b.data(), 2 * F, act.data(), dot_p.data());
+  static_assert(decltype(program)::kOutsPerCol == 2, "1 -> 2 map doubles the output");
+  epi::evaluate_on_host(program, da.data(), kM, F, kTile, out.data());
+  for (int i = 0; i < kM; ++i) dot[i] = prog::sum_partials(&dot_p[size_t(i) * tiles(F)], tiles(F));
+  EXPECT_CLOSE(out, dgu, kFp32Tol);
+  EXPECT_CLOSE(to_float(act), a, kBf16Tol);
+  EXPECT_CLOSE(dot, dot_ref, kFp32Tol);
+}
+
+// ---- GPT-2 --------------------------------------------------------------------------------------------
+
+// A LayerNorm-ed linear layer: h with a nonzero row mean, gamma, beta, W [N, d], bias, and its
+// weight-derived vectors c, b'.
+struct LnLinear {
+  int N;
+  Vec h, gamma, beta, w, bias, c, b_prime;
+  LnLinear(int n, unsigned seed, bool with_bias = true)
+      : N(n),
+        h(round_bf16(random_vec(kM * kD, -1.7f, 2.3f, seed))),
+        gamma(random_vec(kD, 0.5f, 1.5f, seed + 1)),
+        beta(random_vec(kD, -0.3f, 0.3f, seed + 2)),
+        w(random_vec(n * kD, -0.15f, 0.15f, seed + 3)),
+        bias(with_bias ? random_vec(n, -0.2f, 0.2f, seed + 4) : Vec()),
+        c(n),
+        b_prime(n) {
+    for (int j = 0; j < n; ++j)
+      prog::ln_weight_vectors(j, w.data(), kD, gamma.data(), beta.data(), with_bias ? bias.data() : nullptr,
+                              c.data(), b_prime.data());
+  }
+  const float* bias_or_null() const { return bias.empty() ? nullptr : bias.data(); }
+  // Reference forward: u = LN(h), z = u W^T + bias; mean and rstd saved.
+  void reference(Vec& u, Vec& mean, Vec& rstd, Vec& z) const {
+    u.resize(kM * kD), mean.resize(kM), rstd.resize(kM), z.resize(kM * N);
+    ref::layernorm_forward(u.data(), mean.data(), rstd.data(), h.data(), gamma.data(), beta.data(), kM, kD, kEps);
+    ref::matmul_forward(z.data(), u.data(), w.data(), bias_or_null(), kM, kD, N);
+  }
+  // The GEMM's accumulator in CODA mode: O W^T with O = h (.) gamma.
+  Vec accumulator() const {
+    Vec acc(kM * N);
+    ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, N);
+    return acc;
+  }
+};
+
+TEST(CodaGpt2, LnReparamLinearAndFcGeluEqualLayerNormMatmulGelu) {
+  const LnLinear L(96, 30);
+  Vec u, mean, rstd_ref, pre;
+  L.reference(u, mean, rstd_ref, pre);
+  Vec act(pre.size());
+  ref::gelu_forward(act.data(), pre.data(), pre.size());
+
+  const Vec acc = L.accumulator();
+  const LnRows st = ln_rows(L.h);
+  Vec z(kM * L.N, NAN), out(kM * L.N, NAN);
+  Bf16Vec pre_aux(kM * L.N);
+  epi::evaluate_on_host(prog::gpt2::ln_linear_program(st.rstd.data(), st.rstd_mean.data(), L.c.data(),
+                                                      L.b_prime.data()),
+                        acc.data(), kM, L.N, kTile, z.data());
+  epi::evaluate_on_host(prog::gpt2::fc_program(st.rstd.data(), st.rstd_mean.data(), L.c.data(), L.b_prime.data(),
+                                               pre_aux.data(), L.N),
+                        acc.data(), kM, L.N, kTile, out.data());
+  EXPECT_CLOSE(z, pre, kFp32Tol);
+  EXPECT_CLOSE(out, act, kFp32Tol);
+  EXPECT_CLOSE(to_float(pre_aux), pre, kBf16Tol);
+}
+
+TEST(CodaGpt2, LmHeadWithFinalLayerNormLoss) {
+  const LnLinear L(96, 40, false);
+  Vec u, mean, rstd_ref, logits, losses(kM);
+  L.reference(u, mean, rstd_ref, logits);
+  std::vector<int32_t> targets(kM);
+  std::mt19937 rng(41);
+  for (auto& t : targets) t = int32_t(rng() % L.N);
+  ref::crossentropy_forward(losses.data(), logits.data(), targets.data(), kM, L.N, L.N);
+
+  const Vec acc = L.accumulator();
+  const LnRows st = ln_rows(L.h);
+  Vec out(kM * L.N, NAN), target_logit(kM, NAN), loss(kM);
+  std::vector<epi::LogSumExp::Out> lse(kM * tiles(L.N));
+  epi::evaluate_on_host(prog::gpt2::lm_head_program(st.rstd.data(), st.rstd_mean.data(), L.c.data(),
+                                                    L.b_prime.data(), targets.data(), target_logit.data(), lse.data()),
+                        acc.data(), kM, L.N, kTile, out.data());
+  for (int i = 0; i < kM; ++i) loss[i] = epi::merge_lse(&lse[size_t(i) * tiles(L.N)], tiles(L.N)) - target_logit[i];
+  EXPECT_CLOSE(out, logits, kFp32Tol);
+  EXPECT_CLOSE(loss, losses, kFp32Tol);
+}
+
+TEST(CodaGpt2, ResidualAddWithBiasWritesLayerNormPartials) {
+  const Vec x = random_vec(kM * kD, -1.0f, 1.0f, 50), w = random_vec(kD * kD, -0.15f, 0.15f, 51);
+  const Vec bias = random_vec(kD, -0.3f, 0.3f, 52), gamma = random_vec(kD, 0.5f, 1.5f, 53);
+  const Vec res = round_bf16(random_vec(kM * kD, -1.5f, 2.5f, 54)), beta(kD, 0.1f);
+  Vec acc(kM * kD), h(kM * kD), u(kM * kD), mean_ref(kM), rstd_ref(kM);
+  ref::matmul_forward(acc.data(), x.data(), w.data(), nullptr, kM, kD, kD);
+  ref::matmul_forward(h.data(), x.data(), w.data(), bias.data(), kM, kD, kD);
+  for (size_t i = 0; i < h.size(); ++i) h[i] += res[i];
+  ref::layernorm_forward(u.data(), mean_ref.data(), rstd_ref.data(), h.data(), gamma.data(), beta.data(), kM, kD, kEps);
+
+  const Bf16Vec res_b = to_bf16(res);
+  Bf16Vec h_aux(kM * kD);
+  Vec sum(kM * tiles(kD), NAN), sumsq(kM * tiles(kD), NAN), O(kM * kD, NAN), mean(kM), rstd(kM);
+  epi::evaluate_on_host(prog::gpt2::residual_program(res_b.data(), bias.data(), h_aux.data(), kD, gamma.data(),
+                                                     sum.data(), sumsq.data()),
+                        acc.data(), kM, kD, kTile, O.data());
+  for (int i = 0; i < kM; ++i) {
+    const auto s = prog::ln_stats(&sum[size_t(i) * tiles(kD)], &sumsq[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
+    mean[i] = s.mean, rstd[i] = s.rstd;
+  }
+  EXPECT_CLOSE(to_float(h_aux), h, kBf16Tol);
+  EXPECT_CLOSE(O, mul_cols(h, gamma, kM, kD), kFp32Tol);
+  EXPECT_CLOSE(mean, mean_ref, kFp32Tol);
+  EXPECT_CLOSE(rstd, rstd_ref, kFp32Tol);
+}
+
+TEST(CodaGpt2, ProjDgradGeluBackwardBiasGradAndLnStatistics) {
+  const int F = 96;
+  const Vec pre = round_bf16(random_vec(kM * F, -3.0f, 3.0f, 60));
+  const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 61), w_proj = random_vec(kD * F, -0.15f, 0.15f, 62);
+  const Vec c = random_vec(F, -1.0f, 1.0f, 63), b_prime = random_vec(F, -0.5f, 0.5f, 64);
+  const Vec dact = dgrad_acc(dres, w_proj, kM, F, kD);
+  Vec dpre(kM * F, 0.0f), dbias(F, 0.0f), dot_z_ref(kM, 0.0f), dot_c_ref(kM, 0.0f), dot_b_ref(kM, 0.0f);
+  ref::gelu_backward(dpre.data(), dact.data(), pre.data(), dpre.size());
+  for (int i = 0; i < kM * F; ++i) {
+    dbias[i % F] += dpre[i];
+    dot_z_ref[i / F] += dpre[i] * pre[i];
+    dot_c_ref[i / F] += dpre[i] * c[i % F];
+    dot_b_ref[i / F] += dpre[i] * b_prime[i % F];
+  }
+
+  const Bf16Vec pre_b = to_bf16(pre);
+  Vec out(kM * F, NAN), dbias_p(prog::column_partial_groups(kM) * F, NAN);
+  Vec dz_p(kM * tiles(F), NAN), dc_p(kM * tiles(F), NAN), db_p(kM * tiles(F), NAN);
+  epi::evaluate_on_host(prog::gpt2::proj_dgrad_program(pre_b.data(), F, dbias_p.data(), c.data(), b_prime.data(),
+                                                       dz_p.data(), dc_p.data(), db_p.data()),
+                        dact.data(), kM, F, kTile, out.data());
+  Vec dot_z(kM), dot_c(kM), dot_b(kM);
+  for (int i = 0; i < kM; ++i) {
+    dot_z[i] = prog::sum_partials(&dz_p[size_t(i) * tiles(F)], tiles(F));
+    dot_c[i] = prog::sum_partials(&dc_p[size_t(i) * tiles(F)], tiles(F));
+    dot_b[i] = prog::sum_partials(&db_p[size_t(i) * tiles(F)], tiles(F));
+  }
+  EXPECT_CLOSE(out, dpre, kFp32Tol);
+  EXPECT_CLOSE(column_sums(dbias_p, kM, F), dbias, kFp32Tol);
+  EXPECT_CLOSE(dot_z, dot_z_ref, kFp32Tol);
+  EXPECT_CLOSE(dot_c, dot_c_ref, kFp32Tol);
+  EXPECT_CLOSE(dot_b, dot_b_ref, kFp32Tol);
+}
+
+TEST(CodaGpt2, LayerNormBackwardDgradFromTwoRowStatisticsOfDz) {
+  const LnLinear L(96, 70);
+  Vec u, mean, rstd_ref, z;
+  L.reference(u, mean, rstd_ref, z);
+  const Vec dz = random_vec(kM * L.N, -1.0f, 1.0f, 71);
+  const Vec du = dgrad_acc(dz, L.w, kM, kD, L.N);
+  Vec dh(kM * kD, 0.0f), dgamma(kD, 0.0f), dbeta(kD, 0.0f);
+  ref::layernorm_backward(dh.data(), dgamma.data(), dbeta.data(), du.data(), L.h.data(), L.gamma.data(), mean.data(),
+                          rstd_ref.data(), kM, kD);
+
+  // S1 = <dz, c>, S2 = <dz, z> - <dz, b'>: partials from the producer of dz.
+  const int N = L.N;
+  const Vec dot_c = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.c[j]; });
+  const Vec dot_z = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * z[i * N + j]; });
+  const Vec dot_b = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.b_prime[j]; });
+  const LnRows st = ln_rows(L.h);
+  Vec k(kM), e(kM);
+  for (int i = 0; i < kM; ++i) {
+    const size_t o = size_t(i) * tiles(N);
+    const auto coefs = prog::ln_backward_coefs(&dot_c[o], &dot_z[o], &dot_b[o], tiles(N), st.stats[i], kD);
+    k[i] = coefs.tile_coef, e[i] = coefs.row_add;
+  }
+  const Bf16Vec h_b = to_bf16(L.h);
+  const size_t np = size_t(prog::column_partial_groups(kM)) * kD;
+  Vec out(kM * kD, NAN), dbeta_p(np, NAN), q_p(np, NAN), p_p(np, NAN);
+  epi::evaluate_on_host(prog::gpt2::ln_backward_program(st.rstd.data(), st.rstd_mean.data(), h_b.data(), kD,
+                                                        L.gamma.data(), k.data(), e.data(), dbeta_p.data(),
+                                                        q_p.data(), p_p.data()),
+                        du.data(), kM, kD, kTile, out.data());
+  Vec dgamma_coda = column_sums(p_p, kM, kD);
+  const Vec q = column_sums(q_p, kM, kD);
+  for (int j = 0; j < kD; ++j) dgamma_coda[j] -= q[j];
+  EXPECT_CLOSE(out, dh, kFp32Tol);
+  EXPECT_CLOSE(dgamma_coda, dgamma, kFp32Tol);
+  EXPECT_CLOSE(column_sums(dbeta_p, kM, kD), dbeta, kFp32Tol);
+}
+
+}  // namespace
