@@ -40,7 +40,7 @@
 #include <type_traits>
 
 #include "kernels/epilogue/epilogue.cuh"
-#include "kernels/gemm/sm90.cuh"
+#include "kernels/sm90/sm90.cuh"
 
 namespace coda::gemm_detail {
 

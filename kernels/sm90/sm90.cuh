@@ -1,5 +1,6 @@
-// Hopper (sm_90a) building blocks of the GEMM, one thin inline-PTX wrapper per hardware mechanism, with
-// the hardware's rules written next to each. Everything the mainloop needs and nothing more:
+// Hopper (sm_90a) building blocks of the GEMM (kernels/gemm) and the attention forward (kernels/attention),
+// one thin inline-PTX wrapper per hardware mechanism, with the hardware's rules written next to each. They
+// live in their own folder because both kernels use them; everything those kernels need and nothing more:
 //
 //  * mbarrier: a 64-bit shared-memory barrier with a phase bit. A phase completes when the expected
 //    number of arrivals AND the expected number of transaction bytes (TMA writes) have both arrived;
@@ -22,7 +23,7 @@
 
 #include <cstdint>
 
-#include "kernels/gemm/wgmma_ops.cuh"
+#include "kernels/sm90/wgmma_ops.cuh"
 
 namespace coda::sm90 {
 
