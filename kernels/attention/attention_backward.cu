@@ -33,6 +33,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/sm90/sm90.cuh"
 
 namespace coda {
 namespace {
@@ -177,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv
   constexpr int kTileKV = kBlockK * HD * 2, kTileQ = kStepQ * HD * 2, kTileS = kBlockK * kStepQ * 2;
   unsigned char* k_tile = smem;
   unsigned char* v_tile = smem + kTileKV;
-  const uint32_t sK = smem_addr(smem), sV = sK + kTileKV, sQ0 = sV + kTileKV, sdO0 = sQ0 + 2 * kTileQ,
+  const uint32_t sK = sm90::smem_u32(smem), sV = sK + kTileKV, sQ0 = sV + kTileKV, sdO0 = sQ0 + 2 * kTileQ,
                  sdS = sdO0 + 2 * kTileQ, sStat0 = sdS + kTileS;  // stats: [buf][lse | D][kStepQ] fp32
   const float* stats = reinterpret_cast<const float*>(smem + 2 * kTileKV + 4 * kTileQ + kTileS);
 

@@ -14,10 +14,6 @@ namespace attention_detail {
 using bf16 = __nv_bfloat16;
 constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = exp2(x * log2 e)
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);

@@ -23,7 +23,8 @@
 // the start by 32 bytes inside the swizzle row), V is MN-major for P V (head dim = N contiguous; 1024
 // bytes between 8-key groups, one box of keys between 64-column blocks). qkv is described to TMA as a 3-D
 // tensor [B][T][qkv_dim], so rows past T of a sequence are zero-filled: zero keys past T are masked by
-// causality for every real query, and query rows past T are never stored.
+// causality for every real query, and query rows past T are never stored. The mbarrier, TMA and wgmma
+// wrappers are the ones the GEMM uses (kernels/sm90/sm90.cuh).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -35,6 +36,7 @@
 #include "kernels/attention/attention.cuh"
 #include "kernels/attention/attention_device.cuh"
 #include "kernels/cuda_check.cuh"
+#include "kernels/sm90/sm90.cuh"
 
 namespace coda {
 namespace {
@@ -53,96 +55,13 @@ struct Layout {
   static constexpr int kSmem = kBar + 8 * (1 + 3 * kStages) + 1024;  // + slack to align the base to 1024
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
-          dst),
-      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-// wgmma shared-memory descriptor, 128-byte swizzle: start, leading and stride byte offsets.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-// d (m64 x n128, fp32) = A * B + (accumulate ? d : 0); A, B K-major in shared memory (descriptors).
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// d (m64 x n64, fp32) += A * B; A in registers (4 x bf16x2 per thread), B MN-major in shared memory.
-__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-// d (m64 x n128, fp32) += A * B; A in registers (4 x bf16x2 per thread), B MN-major in shared memory.
-__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
+// O (m64 x HD, fp32) += P V; P in registers, V MN-major in shared memory.
 template <int HD>
 __device__ __forceinline__ void wgmma_pv(float (&o)[HD / 2], const uint32_t (&a)[4], uint64_t desc_b) {
   if constexpr (HD == 128)
-    wgmma_rs_n128(o, a, desc_b);
+    sm90::wgmma_m64n128k16_rs<1>(o, a, desc_b);
   else
-    wgmma_rs_n64(o, a, desc_b);
+    sm90::wgmma_m64n64k16_rs<1>(o, a, desc_b);
 }
 
 // Byte offset of (row, col) in a tile stored as HD/64 TMA boxes of [rows][64] bf16 with 128-byte swizzle.
@@ -158,8 +77,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   using L = Layout<HD>;
   constexpr int S = L::kStages;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  const uint32_t base = smem_addr(smem);
+  unsigned char* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t base = sm90::smem_u32(smem);
   const uint32_t bar_q = base + L::kBar, bar_k = bar_q + 8, bar_v = bar_k + 8 * S, bar_empty = bar_v + 8 * S;
 
   const int n_qblocks = (T + kRows - 1) / kRows;
@@ -169,60 +88,63 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
-    mbar_init(bar_q, 1);
+    sm90::mbar_init(bar_q, 1);
     for (int s = 0; s < S; ++s) {
-      mbar_init(bar_k + 8 * s, 1);
-      mbar_init(bar_v + 8 * s, 1);
-      mbar_init(bar_empty + 8 * s, 256);
+      sm90::mbar_init(bar_k + 8 * s, 1);
+      sm90::mbar_init(bar_v + 8 * s, 1);
+      sm90::mbar_init(bar_empty + 8 * s, 256);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    sm90::fence_barrier_init();
   }
   __syncthreads();
 
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    sm90::regs_release<24>();
     if (threadIdx.x == 0) {
-      mbar_expect_tx(bar_q, L::kQBytes);
-      for (int box = 0; box < HD / 64; ++box) tma_load(base + box * kRows * 128, &qkv_map, bar_q, h * HD + box * 64, q0, b);
+      sm90::mbar_arrive_expect_tx(bar_q, L::kQBytes);
+      for (int box = 0; box < HD / 64; ++box)
+        sm90::tma_load_3d(base + box * kRows * 128, &qkv_map, bar_q, h * HD + box * 64, q0, b);
       for (int j = 0; j < n_kblocks; ++j) {
         const int s = j % S;
-        if (j >= S) mbar_wait(bar_empty + 8 * s, ((j / S) - 1) & 1);
-        mbar_expect_tx(bar_k + 8 * s, L::kKVBytes);
+        if (j >= S) sm90::mbar_wait(bar_empty + 8 * s, ((j / S) - 1) & 1);
+        sm90::mbar_arrive_expect_tx(bar_k + 8 * s, L::kKVBytes);
         for (int box = 0; box < HD / 64; ++box)
-          tma_load(base + L::kK + s * L::kKVBytes + box * kKeys * 128, &qkv_map, bar_k + 8 * s,
-                   (n_head + kvh) * HD + box * 64, j * kKeys, b);
-        mbar_expect_tx(bar_v + 8 * s, L::kKVBytes);
+          sm90::tma_load_3d(base + L::kK + s * L::kKVBytes + box * kKeys * 128, &qkv_map, bar_k + 8 * s,
+                            (n_head + kvh) * HD + box * 64, j * kKeys, b);
+        sm90::mbar_arrive_expect_tx(bar_v + 8 * s, L::kKVBytes);
         for (int box = 0; box < HD / 64; ++box)
-          tma_load(base + L::kV + s * L::kKVBytes + box * kKeys * 128, &qkv_map, bar_v + 8 * s,
-                   (n_head + n_kv_head + kvh) * HD + box * 64, j * kKeys, b);
+          sm90::tma_load_3d(base + L::kV + s * L::kKVBytes + box * kKeys * 128, &qkv_map, bar_v + 8 * s,
+                            (n_head + n_kv_head + kvh) * HD + box * 64, j * kKeys, b);
       }
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  sm90::regs_claim<240>();
 
   const int cw = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int row0 = q0 + cw * 64;           // this warpgroup's first row
   const int row_lo = row0 + warp * 16 + g;  // this thread's rows: row_lo, row_lo + 8
   float o[HD / 2] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  mbar_wait(bar_q, 0);
+  sm90::mbar_wait(bar_q, 0);
 
   for (int j = 0; j < n_kblocks; ++j) {
     const int s = j % S;
     const uint32_t parity = (j / S) & 1;
     float sc[kKeys / 2];
-    mbar_wait(bar_k + 8 * s, parity);
-    wgmma_fence();
+    sm90::mbar_wait(bar_k + 8 * s, parity);
+    sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
       const uint32_t box = kk / 4, kbyte = (kk % 4) * 32;
-      wgmma_ss_n128(sc, smem_desc(base + box * kRows * 128 + cw * 64 * 128 + kbyte, 16, 1024),
-                    smem_desc(base + L::kK + s * L::kKVBytes + box * kKeys * 128 + kbyte, 16, 1024), kk > 0);
+      const uint64_t desc_q = sm90::sw128_descriptor(base + box * kRows * 128 + cw * 64 * 128 + kbyte, 16, 1024);
+      const uint64_t desc_k =
+          sm90::sw128_descriptor(base + L::kK + s * L::kKVBytes + box * kKeys * 128 + kbyte, 16, 1024);
+      sm90::wgmma_m64n128k16<0, 0>(sc, desc_q, desc_k, kk > 0);
     }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_regs(sc);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(sc);
 
     if ((j + 1) * kKeys - 1 > row0) {
 #pragma unroll
@@ -262,16 +184,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       pa[kc][3] = pack_bf16(sc[8 * kc + 6], sc[8 * kc + 7]);
     }
 
-    mbar_wait(bar_v + 8 * s, parity);
-    fence_regs(o);
-    wgmma_fence();
+    sm90::mbar_wait(bar_v + 8 * s, parity);
+    sm90::fence_registers(o);
+    sm90::wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < kKeys / 16; ++kc)
-      wgmma_pv<HD>(o, pa[kc], smem_desc(base + L::kV + s * L::kKVBytes + kc * 16 * 128, kKeys * 128, 1024));
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_regs(o);
-    mbar_arrive(bar_empty + 8 * s);
+      wgmma_pv<HD>(o, pa[kc],
+                   sm90::sw128_descriptor(base + L::kV + s * L::kKVBytes + kc * 16 * 128, kKeys * 128, 1024));
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(o);
+    sm90::mbar_arrive(bar_empty + 8 * s);
   }
 
   // Epilogue: lse, O / l staged (bf16) in this warp's rows of the Q tile, then 16-byte stores.

@@ -7,14 +7,15 @@
 //    waiters poll for "the phase of parity P has completed". A fresh barrier is in phase 0, and a wait
 //    for parity 1 on it succeeds at once: producers start waiting on their "slot empty" barriers with
 //    parity 1, consumers on "slot full" with parity 0.
-//  * TMA (cp.async.bulk.tensor): the copy engine moves a box of a 2-D tensor between global and shared
-//    memory, described by a CUtensorMap (made on the host, passed as a __grid_constant__ parameter).
+//  * TMA (cp.async.bulk.tensor): the copy engine moves a box of a 2-D or 3-D tensor between global and
+//    shared memory, described by a CUtensorMap (made on the host, passed as a __grid_constant__ parameter).
 //    Loads complete on an mbarrier (complete_tx counts the FULL box, out-of-bounds elements are written
 //    as zeros and counted too); stores and reduce-adds are tracked by bulk groups of the issuing thread
 //    and clip out-of-bounds elements. Shared-memory side of a 128B-swizzled box: 1024-byte aligned.
 //  * wgmma: a warpgroup (4 consecutive warps, the first warp index divisible by 4) multiplies tiles
-//    described by shared-memory matrix descriptors; accumulators stay in registers and may not be
-//    touched between issue and wgmma.wait_group.
+//    described by shared-memory matrix descriptors (A may instead come from registers, in the layout of
+//    an accumulator fragment); accumulators stay in registers and may not be touched between issue and
+//    wgmma.wait_group.
 //  * setmaxnreg: moves registers between warpgroups; needs a register cap at entry
 //    (__launch_bounds__(threads, 1)) and each role in one branch of one if/else.
 #pragma once
@@ -32,10 +33,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 // ---- mbarrier -------------------------------------------------------------------------------------
+// Barrier and TMA-load calls take 32-bit shared-window addresses (smem_u32), as the attention forward
+// computes them, or generic pointers, as the GEMM holds them; the pointer forms convert and forward.
 
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(arrivals) : "memory");
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
 }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) { mbar_init(smem_u32(bar), arrivals); }
 
 // Makes initialized barriers visible to the async proxy (TMA) before any thread uses them.
 __device__ __forceinline__ void fence_barrier_init() {
@@ -43,17 +47,19 @@ __device__ __forceinline__ void fence_barrier_init() {
 }
 
 // One arrival that also announces `bytes` of TMA transactions for the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
+  mbar_arrive_expect_tx(smem_u32(bar), bytes);
 }
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { mbar_arrive(smem_u32(bar)); }
 
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = smem_u32(bar);
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   do {
     asm volatile(
@@ -61,19 +67,32 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         "selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
-        : "r"(addr), "r"(parity)
+        : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
 }
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) { mbar_wait(smem_u32(bar), parity); }
 
 // ---- TMA ------------------------------------------------------------------------------------------
 // Coordinates are element indices, innermost (contiguous) dimension first.
 
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_u32(dst)),
-      "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+          dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  tma_load_2d(smem_u32(dst), map, smem_u32(bar), c0, c1);
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
+          dst),
+      "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
 
