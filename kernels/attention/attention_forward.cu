@@ -66,8 +66,7 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[HD / 2], const uint32_t (&a)
 
 // Byte offset of (row, col) in a tile stored as HD/64 TMA boxes of [rows][64] bf16 with 128-byte swizzle.
 __device__ __forceinline__ uint32_t box_offset(int rows, int row, int col) {
-  return static_cast<uint32_t>((col >> 6) * rows * 128 + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4) +
-                               (col & 7) * 2);
+  return static_cast<uint32_t>((col >> 6) * rows * 128) + sm90::sw128_offset(row, (col & 63) * 2);
 }
 
 template <int HD>
