@@ -26,7 +26,6 @@
 // causality for every real query, and query rows past T are never stored. The mbarrier, TMA and wgmma
 // wrappers are the ones the GEMM uses (kernels/sm90/sm90.cuh).
 #include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include <cmath>
 #include <cstdint>
@@ -234,19 +233,10 @@ void forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& s, cu
   const cuuint64_t dims[3] = {qkv_dim, static_cast<cuuint64_t>(s.T), static_cast<cuuint64_t>(s.B)};
   const cuuint64_t strides[2] = {qkv_dim * 2, qkv_dim * 2 * s.T};
   const cuuint32_t box[3] = {64, kRows, 1}, elem_strides[3] = {1, 1, 1};
-  // The driver entry point comes through the runtime, so nothing links libcuda (binaries must start, and
-  // list their tests, on machines without a GPU driver).
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || !fn)
-      throw std::runtime_error("attention: driver entry point cuTensorMapEncodeTiled not found");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims, strides, box,
-                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = sm90::tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims,
+                                                strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error("attention: cuTensorMapEncodeTiled(qkv) failed with CUresult " + std::to_string(r));
   constexpr int kSmem = Layout<HD>::kSmem;

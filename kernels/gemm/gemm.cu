@@ -1,12 +1,9 @@
 // Host side of the hand-written GEMM: tensor maps, schedule, tile choice, and the identity-program
 // entry points of gemm.cuh. See gemm_kernel.cuh for the kernel.
 //
-// Tensor maps (cuTensorMapEncodeTiled, a driver function fetched once through
-// cudaGetDriverEntryPointByVersion so that no libcuda link is needed): 2-D, innermost dimension first,
-// 128B swizzle, zero fill out of bounds. Boxes: K-major operands {64 k, 128 or BN rows}; MN-major
-// operands {64 m|n, 64 k}; output {128 bytes of columns, 64 rows}.
-#include <cudaTypedefs.h>
-
+// Tensor maps (cuTensorMapEncodeTiled, through sm90::tensor_map_encoder(), so no libcuda link is needed):
+// 2-D, innermost dimension first, 128B swizzle, zero fill out of bounds. Boxes: K-major operands
+// {64 k, 128 or BN rows}; MN-major operands {64 m|n, 64 k}; output {128 bytes of columns, 64 rows}.
 #include <stdexcept>
 #include <string>
 
@@ -15,18 +12,6 @@
 namespace coda {
 namespace gemm_detail {
 namespace {
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status));
-    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
-      throw std::runtime_error("gemm.cu: driver entry point cuTensorMapEncodeTiled not found");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
 
 int num_sms() {
   int device = 0, sms = 0;
@@ -51,9 +36,10 @@ CUtensorMap make_map(const void* base, CUtensorMapDataType type, int elem_bytes,
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner * elem_bytes)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = sm90::tensor_map_encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box,
+                                                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error(std::string("gemm: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
                              std::to_string(static_cast<int>(r)) + ", " + std::to_string(outer) + " x " +

@@ -18,12 +18,16 @@
 //    wgmma.wait_group.
 //  * setmaxnreg: moves registers between warpgroups; needs a register cap at entry
 //    (__launch_bounds__(threads, 1)) and each role in one branch of one if/else.
+// On the host side, tensor_map_encoder() hands out the driver's cuTensorMapEncodeTiled.
 #pragma once
 #include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <stdexcept>
 
+#include "kernels/cuda_check.cuh"
 #include "kernels/sm90/wgmma_ops.cuh"
 
 namespace coda::sm90 {
@@ -185,6 +189,22 @@ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_address, uint
 // and it spreads the 8 rows a warp touches over all 32 banks.
 __device__ __forceinline__ uint32_t sw128_offset(int r, int b) {
   return static_cast<uint32_t>(r * 128 + ((((b >> 4) ^ r) & 7) << 4) + (b & 15));
+}
+
+// ---- host: tensor maps -----------------------------------------------------------------------------
+
+// The driver's cuTensorMapEncodeTiled, looked up once through the runtime, so nothing links libcuda
+// (binaries must start, and list their tests, on machines without a GPU driver).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status));
+    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw std::runtime_error("kernels/sm90/sm90.cuh: driver entry point cuTensorMapEncodeTiled not found");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
 }
 
 }  // namespace coda::sm90
