@@ -58,25 +58,22 @@ __global__ void __launch_bounds__(kForwardWarps * 32) norm_forward_kernel(bf16* 
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) raw[i] = next[i];
     load_row(next, row + all_warps);
+    // Calls f(value) for each of this lane's values of the row, in a fixed order.
+    const auto for_each_value = [&](auto&& f) {
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i)
+        if (lane + 32 * i < chunks) {
+          float v[8];
+          unpack_bf16x8(v, raw[i]);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) f(v[j]);
+        }
+    };
     float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i)
-      if (lane + 32 * i < chunks) {
-        float v[8];
-        unpack_bf16x8(v, raw[i]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sum += v[j];
-      }
+    for_each_value([&](float v) { sum += v; });
     const float mean = kLayerNorm ? warp_sum(sum) / C : 0.0f;
     float sumsq = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i)
-      if (lane + 32 * i < chunks) {
-        float v[8];
-        unpack_bf16x8(v, raw[i]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) sumsq += (v[j] - mean) * (v[j] - mean);
-      }
+    for_each_value([&](float v) { sumsq += (v - mean) * (v - mean); });
     const float rstd = rsqrtf(warp_sum(sumsq) / C + eps);
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
