@@ -47,31 +47,27 @@ __device__ __forceinline__ float tanh_fast(float x) {
 constexpr float kGeluA = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluB = 0.044715f;
 
+// One packet of out = a + b (fp32 sum, rounded once to bf16); out may alias a.
+__device__ __forceinline__ void add_packet(bf16* out, const bf16* a, const bf16* b) {
+  float va[8], vb[8];
+  load_bf16x8(va, a);
+  load_bf16x8(vb, b);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) va[j] += vb[j];
+  store_bf16x8(out, va);
+}
+
 struct BiasAdd {
   bf16* y;
   const bf16* b;
   int row_packets;
-  __device__ void operator()(size_t i) const {
-    float v[8], bias[8];
-    load_bf16x8(v, y + 8 * i);
-    load_bf16x8(bias, b + 8 * (i % row_packets));
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] += bias[j];
-    store_bf16x8(y + 8 * i, v);
-  }
+  __device__ void operator()(size_t i) const { add_packet(y + 8 * i, y + 8 * i, b + 8 * (i % row_packets)); }
 };
 
 struct ResidualAdd {
   bf16* out;
   const bf16 *a, *b;
-  __device__ void operator()(size_t i) const {
-    float va[8], vb[8];
-    load_bf16x8(va, a + 8 * i);
-    load_bf16x8(vb, b + 8 * i);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) va[j] += vb[j];
-    store_bf16x8(out + 8 * i, va);
-  }
+  __device__ void operator()(size_t i) const { add_packet(out + 8 * i, a + 8 * i, b + 8 * i); }
 };
 
 struct GeluForward {
