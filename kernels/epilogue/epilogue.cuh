@@ -510,15 +510,9 @@ struct SwiGluBackward : Primitive {
 template <class... Ps>
 struct Program;
 
+// The empty program (the end of every program's list, and the plain GEMM): the empty hooks of Primitive.
 template <>
-struct Program<> {
-  static constexpr int kColsPerOut = 1;
-  static constexpr int kOutsPerCol = 1;
-  CODA_HD void begin_rows(const RowCtx&) {}
-  CODA_HD void visit(Frag&, const RowCtx&) {}
-  template <class Lanes>
-  CODA_HD void end_rows(const RowCtx&, const Lanes&) {}
-};
+struct Program<> : Primitive {};
 
 template <class P, class... Rest>
 struct Program<P, Rest...> {
