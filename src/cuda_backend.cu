@@ -124,26 +124,26 @@ void CudaBackend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&adam_v_, P, state);
   plan.reserve(&scratch_.decay, P / kParamAlign, state);
 
+  // A norm's output and the statistics its backward reads (the mean only for LayerNorm).
+  const auto reserve_norm = [&](bf16** y, float** mean, float** rstd) {
+    plan.reserve(y, N * C, saved);
+    if (gpt2_) plan.reserve(mean, N, saved);
+    plan.reserve(rstd, N, saved);
+  };
   acts_.layers.assign(c.n_layer, LayerActivations{});
   for (LayerActivations& a : acts_.layers) {
     plan.reserve(&a.input, N * C, saved);
-    plan.reserve(&a.norm1, N * C, saved);
-    if (gpt2_) plan.reserve(&a.norm1_mean, N, saved);
-    plan.reserve(&a.norm1_rstd, N, saved);
+    reserve_norm(&a.norm1, &a.norm1_mean, &a.norm1_rstd);
     plan.reserve(&a.qkv, N * Q, saved);
     plan.reserve(&a.attn, N * C, saved);
     plan.reserve(&a.lse, N * c.n_head, saved);
     plan.reserve(&a.mid, N * C, saved);
-    plan.reserve(&a.norm2, N * C, saved);
-    if (gpt2_) plan.reserve(&a.norm2_mean, N, saved);
-    plan.reserve(&a.norm2_rstd, N, saved);
+    reserve_norm(&a.norm2, &a.norm2_mean, &a.norm2_rstd);
     plan.reserve(&a.up, N * U, saved);
     plan.reserve(&a.act, N * F, saved);
   }
   plan.reserve(&acts_.output, N * C, saved);
-  plan.reserve(&acts_.normf, N * C, saved);
-  if (gpt2_) plan.reserve(&acts_.normf_mean, N, saved);
-  plan.reserve(&acts_.normf_rstd, N, saved);
+  reserve_norm(&acts_.normf, &acts_.normf_mean, &acts_.normf_rstd);
   plan.reserve(&acts_.logits, N * V, "logits / dlogits");
   plan.reserve(&acts_.losses, N, scratch);
   plan.reserve(&acts_.logits_lse, N, scratch);
