@@ -103,6 +103,47 @@ struct Lane {
   __device__ int bt_col() const { return (i >> 1) * 8; }
 };
 
+// acc (this warp's 16 rows x kStepQ columns) += A[warp rows][HD] B[kStepQ][HD]^T: the two keys x queries
+// products S^T = K Q^T and dP^T = V dO^T (A = K or V, B = Q or dO, swizzled [rows][HD] tiles).
+template <int HD>
+__device__ __forceinline__ void warp_rows_times_bt(float (&acc)[kStepQ / 8][4], uint32_t a_tile, uint32_t b_tile,
+                                                   int warp, const Lane& ln) {
+#pragma unroll
+  for (int kc = 0; kc < HD / 16; ++kc) {
+    uint32_t a[4];
+    ldsm_x4(a, a_tile + swz<HD>(warp * 16 + ln.a_row(), kc * 16 + ln.a_col()));
+#pragma unroll
+    for (int np = 0; np < kStepQ / 16; ++np) {
+      uint32_t b[4];
+      ldsm_x4(b, b_tile + swz<HD>(np * 16 + ln.b_row(), kc * 16 + ln.b_col()));
+      mma(acc[2 * np], a, b[0], b[1]);
+      mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// The bf16 A fragment (16 x 16) of queries kc*16.. of a keys x queries accumulator (P^T or dS^T).
+__device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&acc)[kStepQ / 8][4], int kc) {
+  a[0] = pack_bf16(acc[2 * kc][0], acc[2 * kc][1]);
+  a[1] = pack_bf16(acc[2 * kc][2], acc[2 * kc][3]);
+  a[2] = pack_bf16(acc[2 * kc + 1][0], acc[2 * kc + 1][1]);
+  a[3] = pack_bf16(acc[2 * kc + 1][2], acc[2 * kc + 1][3]);
+}
+
+// acc (16 x HD) += a (16 x 16) B[kc*16 .. kc*16+16][HD]: dV += P^T dO and dK += dS^T Q, one k step
+// (B = dO or Q, a swizzled [queries][HD] tile, read transposed).
+template <int HD>
+__device__ __forceinline__ void warp_a_times_b_rows(float (&acc)[HD / 8][4], const uint32_t (&a)[4], uint32_t b_tile,
+                                                    int kc, const Lane& ln) {
+#pragma unroll
+  for (int np = 0; np < HD / 16; ++np) {
+    uint32_t b[4];
+    ldsm_x4_trans(b, b_tile + swz<HD>(kc * 16 + ln.bt_row(), np * 16 + ln.bt_col()));
+    mma(acc[2 * np], a, b[0], b[1]);
+    mma(acc[2 * np + 1], a, b[2], b[3]);
+  }
+}
+
 // Loads rows [row0, row0 + ROWS) x COLS of a strided bf16 matrix with `rows` rows into a swizzled tile;
 // rows past the end are zero-filled (their source address is clamped to a valid row).
 template <int ROWS, int COLS>
@@ -230,18 +271,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv
 
     // S^T = K Q^T, then P^T in place.
     float p[kStepQ / 8][4] = {};
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-      uint32_t ka[4];
-      ldsm_x4(ka, sK + swz<HD>(warp * 16 + ln.a_row(), kc * 16 + ln.a_col()));
-#pragma unroll
-      for (int np = 0; np < kStepQ / 16; ++np) {
-        uint32_t qb[4];
-        ldsm_x4(qb, sQ + swz<HD>(np * 16 + ln.b_row(), kc * 16 + ln.b_col()));
-        mma(p[2 * np], ka, qb[0], qb[1]);
-        mma(p[2 * np + 1], ka, qb[2], qb[3]);
-      }
-    }
+    warp_rows_times_bt<HD>(p, sK, sQ, warp, ln);
     const bool diagonal = q0 < k0 + kBlockK - 1;
 #pragma unroll
     for (int nt = 0; nt < kStepQ / 8; ++nt)
@@ -255,33 +285,15 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv
     // dV += P^T dO
 #pragma unroll
     for (int kc = 0; kc < kStepQ / 16; ++kc) {
-      const uint32_t pa[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]), pack_bf16(p[2 * kc][2], p[2 * kc][3]),
-                              pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
-                              pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
-#pragma unroll
-      for (int np = 0; np < HD / 16; ++np) {
-        uint32_t ob[4];
-        ldsm_x4_trans(ob, sdO + swz<HD>(kc * 16 + ln.bt_row(), np * 16 + ln.bt_col()));
-        mma(dv[2 * np], pa, ob[0], ob[1]);
-        mma(dv[2 * np + 1], pa, ob[2], ob[3]);
-      }
+      uint32_t pa[4];
+      a_fragment(pa, p, kc);
+      warp_a_times_b_rows<HD>(dv, pa, sdO, kc, ln);
     }
 
     // dP^T = V dO^T, then dS^T = P^T (dP^T - D) into p.
     {
       float dp[kStepQ / 8][4] = {};
-#pragma unroll
-      for (int kc = 0; kc < HD / 16; ++kc) {
-        uint32_t va[4];
-        ldsm_x4(va, sV + swz<HD>(warp * 16 + ln.a_row(), kc * 16 + ln.a_col()));
-#pragma unroll
-        for (int np = 0; np < kStepQ / 16; ++np) {
-          uint32_t ob[4];
-          ldsm_x4(ob, sdO + swz<HD>(np * 16 + ln.b_row(), kc * 16 + ln.b_col()));
-          mma(dp[2 * np], va, ob[0], ob[1]);
-          mma(dp[2 * np + 1], va, ob[2], ob[3]);
-        }
-      }
+      warp_rows_times_bt<HD>(dp, sV, sdO, warp, ln);
 #pragma unroll
       for (int nt = 0; nt < kStepQ / 8; ++nt)
 #pragma unroll
@@ -291,21 +303,14 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv
     // dK += dS^T Q; dS^T (bf16) also goes to shared memory for dQ.
 #pragma unroll
     for (int kc = 0; kc < kStepQ / 16; ++kc) {
-      const uint32_t da[4] = {pack_bf16(p[2 * kc][0], p[2 * kc][1]), pack_bf16(p[2 * kc][2], p[2 * kc][3]),
-                              pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]),
-                              pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+      uint32_t da[4];
+      a_fragment(da, p, kc);
       unsigned char* ds_tile = smem + (sdS - sK);
       *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g, kc * 16 + 2 * t)) = da[0];
       *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g + 8, kc * 16 + 2 * t)) = da[1];
       *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g, kc * 16 + 8 + 2 * t)) = da[2];
       *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g + 8, kc * 16 + 8 + 2 * t)) = da[3];
-#pragma unroll
-      for (int np = 0; np < HD / 16; ++np) {
-        uint32_t qb[4];
-        ldsm_x4_trans(qb, sQ + swz<HD>(kc * 16 + ln.bt_row(), np * 16 + ln.bt_col()));
-        mma(dk[2 * np], da, qb[0], qb[1]);
-        mma(dk[2 * np + 1], da, qb[2], qb[3]);
-      }
+      warp_a_times_b_rows<HD>(dk, da, sQ, kc, ln);
     }
     __syncthreads();  // dS^T complete
 
