@@ -32,26 +32,26 @@ RefModel::RefModel(const ModelConfig& model_config, int max_batch, int max_seq_l
                                 std::to_string(config.max_seq_len) + "]");
   const size_t N = static_cast<size_t>(max_batch) * max_seq_len, C = config.d_model;
   const bool gpt2 = config.arch == Arch::GPT2;
+  // A norm's output and the statistics its backward reads (the mean only for LayerNorm).
+  const auto size_norm = [&](std::vector<float>& y, std::vector<float>& mean, std::vector<float>& rstd) {
+    y.resize(N * C);
+    mean.resize(gpt2 ? N : 0);
+    rstd.resize(N);
+  };
   acts.layers.resize(config.n_layer);
   for (auto& layer : acts.layers) {
     layer.residual_in.resize(N * C);
-    layer.norm1.resize(N * C);
-    layer.norm1_mean.resize(gpt2 ? N : 0);
-    layer.norm1_rstd.resize(N);
+    size_norm(layer.norm1, layer.norm1_mean, layer.norm1_rstd);
     layer.qkv.resize(N * config.qkv_dim());
     layer.attn_out.resize(N * C);
     layer.lse.resize(N * config.n_head);
     layer.residual_mid.resize(N * C);
-    layer.norm2.resize(N * C);
-    layer.norm2_mean.resize(gpt2 ? N : 0);
-    layer.norm2_rstd.resize(N);
+    size_norm(layer.norm2, layer.norm2_mean, layer.norm2_rstd);
     layer.mlp_pre.resize(N * config.mlp_up_rows());
     layer.mlp_act.resize(N * config.d_ff);
   }
   acts.residual_final.resize(N * C);
-  acts.normf.resize(N * C);
-  acts.normf_mean.resize(gpt2 ? N : 0);
-  acts.normf_rstd.resize(N);
+  size_norm(acts.normf, acts.normf_mean, acts.normf_rstd);
   acts.logits.resize(N * config.padded_vocab());
   acts.losses.resize(N);
   d_residual_.resize(N * C);
