@@ -9,11 +9,14 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include "model.hpp"
 
 namespace coda {
+
+class Communicator;  // distributed.hpp
 
 struct AdamWHyper {
   float lr = 0.0f;
@@ -56,6 +59,16 @@ class Backend {
   virtual void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) = 0;
 
   virtual PhaseTimes last_phase_times() { return {}; }
+
+  // Data parallelism. The next forward_backward call (the last micro-batch of a step) also averages the
+  // gradient buffer over the ranks of comm: when it returns, the buffer holds the mean over ranks of every
+  // rank's accumulated gradients. A backend may start the reduction of finished parts while the rest of
+  // that backward runs. Backends that cannot communicate (the CPU) refuse.
+  virtual void average_grads_in_next_backward(Communicator& comm) {
+    (void)comm;
+    throw std::logic_error("backend " + name() +
+                           " cannot average gradients across ranks (data parallelism needs the cuda backend)");
+  }
 };
 
 // The fp32 CPU reference backend (ref_model.hpp).

@@ -24,7 +24,9 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
+#include "distributed.hpp"
 #include "kernels/cuda_check.cuh"
 
 namespace coda {
@@ -76,7 +78,8 @@ CudaBackend::CudaBackend(const ModelConfig& config, int max_batch, int max_seq_l
       layout_(make_param_layout(config)),
       max_batch_(max_batch),
       max_seq_len_(max_seq_len),
-      gpt2_(config.arch == Arch::GPT2) {
+      gpt2_(config.arch == Arch::GPT2),
+      gradient_buckets_(gradient_buckets(layout_)) {
   if (max_batch < 1 || max_seq_len < 1)
     throw std::invalid_argument("cuda backend: batch size and sequence length must be >= 1, got B=" +
                                 std::to_string(max_batch) + " T=" + std::to_string(max_seq_len));
@@ -91,6 +94,7 @@ CudaBackend::CudaBackend(const ModelConfig& config, int max_batch, int max_seq_l
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   cublas_ = std::make_unique<CublasLt>();
   for (cudaEvent_t& event : events_) CUDA_CHECK(cudaEventCreate(&event));
+  CUDA_CHECK(cudaEventCreateWithFlags(&bucket_done_, cudaEventDisableTiming));
   const size_t N = static_cast<size_t>(max_batch) * max_seq_len;
   CUDA_CHECK(cudaMallocHost(&host_tokens_, 2 * N * sizeof(int32_t)));
   CUDA_CHECK(cudaMallocHost(&host_buckets_, (3 * N + 1) * sizeof(int32_t)));
@@ -108,6 +112,7 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(host_scalar_);
   for (cudaEvent_t event : events_)
     if (event != nullptr) cudaEventDestroy(event);
+  if (bucket_done_ != nullptr) cudaEventDestroy(bucket_done_);
   cublas_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -397,12 +402,35 @@ float CudaBackend::forward_backward(const int32_t* tokens, const int32_t* target
                              cudaMemcpyHostToDevice, stream_));
   acts_.num_token_buckets = buckets.num_buckets;
 
+  Communicator* comm = std::exchange(reduce_comm_, nullptr);
+  size_t bucket = 0;
   head_backward(B, T, grad_scale / static_cast<float>(N));
-  for (int layer = config_.n_layer - 1; layer >= 0; --layer) block_backward(layer, B, T);
+  reduce_next_bucket(comm, bucket);
+  for (int layer = config_.n_layer - 1; layer >= 0; --layer) {
+    block_backward(layer, B, T);
+    reduce_next_bucket(comm, bucket);
+  }
   embedding_backward(B, T);
+  reduce_next_bucket(comm, bucket);
+  if (comm != nullptr) {
+    if (bucket != gradient_buckets_.size()) throw std::logic_error("cuda backend: gradient buckets left unreduced");
+    comm->join(stream_);
+  }
   CUDA_CHECK(cudaEventRecord(events_[kBackwardEnd], stream_));
   step_timed_ = true;
+  if (comm != nullptr) comm->wait(stream_);
   return mean_loss(N);
+}
+
+void CudaBackend::average_grads_in_next_backward(Communicator& comm) { reduce_comm_ = &comm; }
+
+void CudaBackend::reduce_next_bucket(Communicator* comm, size_t& bucket) {
+  if (comm == nullptr) return;
+  if (bucket == gradient_buckets_.size()) throw std::logic_error("cuda backend: more backward pieces than buckets");
+  const GradBucket& b = gradient_buckets_[bucket++];
+  CUDA_CHECK(cudaEventRecord(bucket_done_, stream_));
+  comm->wait_event(bucket_done_);
+  comm->all_reduce(grads_ + b.begin, b.end - b.begin, ReduceOp::Average);
 }
 
 float CudaBackend::forward_loss(const int32_t* tokens, const int32_t* targets, int B, int T) {

@@ -12,6 +12,15 @@
 // (cuBLASLt GEMMs plus one kernel per operation, kernels/unfused/); the CODA mode derives from it,
 // overrides the pieces it fuses and reserves its extra buffers in plan_buffers, reusing the parameter
 // state, the optimizer and the I/O of this class unchanged.
+//
+// Data parallelism (average_grads_in_next_backward): in the backward that reduces, each gradient bucket
+// of dist_plan.hpp (head, layers L-1 .. 0, embeddings: contiguous ranges of the fp32 gradient buffer) is
+// complete as soon as its piece (head_backward, block_backward(l), embedding_backward) has been enqueued;
+// an event recorded on the compute stream then lets the communicator's stream start that bucket's
+// all-reduce (ncclAvg, in place) while the compute stream goes on with the layers below. A mode that
+// overrides the pieces keeps the overlap as long as each piece leaves its own bucket's gradients final.
+// The compute stream joins the communicator's stream at the end of the backward, and the host waits for
+// both through Communicator::wait (the watchdog), so a dead peer ends in an error instead of a hang.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -21,6 +30,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "dist_plan.hpp"
 #include "kernels/attention/attention.cuh"
 #include "kernels/gemm/cublaslt.cuh"
 #include "kernels/unfused/unfused.cuh"
@@ -78,6 +88,7 @@ class CudaBackend : public Backend {
   float grad_norm() override;
   void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) override;
   PhaseTimes last_phase_times() override;
+  void average_grads_in_next_backward(Communicator& comm) override;
 
  protected:
   struct LayerActivations {
@@ -171,6 +182,13 @@ class CudaBackend : public Backend {
   void check_shape(int B, int T, const char* what) const;
   void upload_batch(const int32_t* tokens, const int32_t* targets, int B, int T);
   float mean_loss(int N);  // waits for the stream
+  // With a communicator armed: enqueues the all-reduce of the next bucket of gradient_buckets_ once the
+  // compute stream has finished it.
+  void reduce_next_bucket(Communicator* comm, size_t& bucket);
+
+  std::vector<GradBucket> gradient_buckets_;  // in backward order
+  Communicator* reduce_comm_ = nullptr;       // armed by average_grads_in_next_backward for one backward
+  cudaEvent_t bucket_done_ = nullptr;         // recorded on stream_ when a bucket is complete
 
   // Pinned host staging for the per-step transfers.
   int32_t* host_tokens_ = nullptr;   // [N] tokens, [N] targets

@@ -104,6 +104,18 @@ BatchPlan plan_batch_for_global(int world_size, int micro_batch, int seq_len, in
   return plan_batch(world_size, micro_batch, seq_len, static_cast<int>(grad_accum));
 }
 
+LoaderPosition rescale_loader_position(const LoaderPosition& saved, size_t saved_global_batch, size_t global_batch,
+                                       size_t batches_per_epoch) {
+  if (saved_global_batch == 0 || global_batch == 0 || batches_per_epoch == 0)
+    throw std::invalid_argument("rescale_loader_position: global batches (" + std::to_string(saved_global_batch) +
+                                ", " + std::to_string(global_batch) + ") and batches per epoch (" +
+                                std::to_string(batches_per_epoch) + ") must be >= 1");
+  const size_t consumed = saved.batch * saved_global_batch;
+  const size_t batch = (consumed + global_batch - 1) / global_batch;
+  if (batch >= batches_per_epoch) return {saved.epoch + 1, 0};
+  return {saved.epoch, batch};
+}
+
 JobThroughput job_throughput(const BatchPlan& plan, double step_seconds, double flops_per_token,
                              double peak_flops_per_gpu) {
   if (!(step_seconds > 0.0)) throw std::invalid_argument("step time must be > 0 s, got " + std::to_string(step_seconds));

@@ -25,6 +25,14 @@
 // When a run asks for a fixed global batch (for example resuming on a different number of GPUs),
 // grad_accum follows from it and must come out whole.
 //
+// Data position across a change of the global batch (resuming on another number of ranks, or with another
+// batch_size). The loader's position is (epoch, batch) counted in global batches of G windows, and the
+// order of the windows within an epoch does not depend on G (data.hpp). A run saved after `batch` batches
+// of G_saved windows has consumed the first batch * G_saved windows of its epoch; it continues with the
+// first batch of G windows that starts at or after that point. No window of the epoch is read twice, at
+// most G - 1 are skipped (none when G divides the windows consumed, e.g. when world * batch_size stays
+// the same), and past the epoch's last whole batch the next epoch begins.
+//
 // Throughput. Data-parallel ranks step in lockstep (the all-reduce synchronises them), so the wall time
 // of a step on rank 0 is the job's step time; job tokens/s = global tokens per step / step time, and MFU
 // = flops_per_token * job tokens/s / (world * peak FLOP/s of one GPU).
@@ -93,6 +101,16 @@ BatchPlan plan_batch(int world_size, int micro_batch, int seq_len, int grad_accu
 // grad_accum chosen so that the global batch is `global_batch` sequences; throws std::invalid_argument
 // with the numbers when global_batch is not a multiple of world_size * micro_batch.
 BatchPlan plan_batch_for_global(int world_size, int micro_batch, int seq_len, int64_t global_batch);
+
+struct LoaderPosition {
+  size_t epoch = 0;
+  size_t batch = 0;  // global batches already read in this epoch
+};
+// The position under global batches of global_batch windows (batches_per_epoch of them per epoch) that
+// continues `saved`, taken under global batches of saved_global_batch windows; throws std::invalid_argument
+// when a batch size is 0.
+LoaderPosition rescale_loader_position(const LoaderPosition& saved, size_t saved_global_batch, size_t global_batch,
+                                       size_t batches_per_epoch);
 
 struct JobThroughput {
   double tokens_per_second = 0.0;          // whole job

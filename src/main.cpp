@@ -6,16 +6,25 @@
 // Progress and logs go to stderr, results (val_loss, samples, the bench table) to stdout.
 // Errors end the program with one line on stderr: "error: ..." and exit code 2 for command-line misuse,
 // 1 for everything else (bad config file, bad values, missing files, failures while running).
+//
+// train runs data-parallel when a launcher (mpirun, srun) started several processes: init_distributed()
+// finds this process's rank and GPU, a Communicator spans the ranks, and ranks other than 0 log only
+// warnings. The device is checked before init_distributed, so a CPU run under a launcher fails with that
+// message and not with MPI's. An error on one rank of several ends the whole job through abort_job
+// (MPI_Abort when MPI is up), before the communicator is torn down: finalizing it would wait for peers
+// that are blocked waiting for this rank.
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
 #include <fstream>
+#include <memory>
 
 #include <nlohmann/json.hpp>
 
 #include "config.hpp"
+#include "distributed.hpp"
 #include "prepare.hpp"
 #include "train.hpp"
 
@@ -123,9 +132,18 @@ int main(int argc, char** argv) {
 
   // The subcommand is argv[1]: the top level has no options of its own besides --help.
   const std::vector<std::string> args(argv + 2, argv + argc);
+  coda::DistContext dist;
+  std::unique_ptr<coda::Communicator> comm;
   try {
     if (train_command->parsed()) {
-      coda::train(coda::resolve_config(make_train, config_file, args));
+      const coda::RunConfig config = coda::resolve_config(make_train, config_file, args);
+      coda::require_data_parallel_device(config, coda::detect_launch().world_size);
+      dist = coda::init_distributed();
+      if (!dist.is_root()) spdlog::set_level(spdlog::level::warn);
+      if (dist.world_size > 1) comm = std::make_unique<coda::Communicator>(dist);
+      coda::train(config, comm.get());
+      comm.reset();
+      coda::finalize_distributed(dist);
     } else if (bench_command->parsed()) {
       const coda::RunConfig config = coda::resolve_config(make_bench, config_file, args);
       print_bench(coda::bench(config, bench_steps, bench_warmup), config, bench_json);
@@ -137,6 +155,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return fail(std::string(e.what()) + " (see --help)", 2);
   } catch (const std::exception& e) {
+    if (dist.world_size > 1) coda::abort_job(std::string("error: ") + e.what());
+    coda::finalize_distributed(dist);
     return fail(e.what(), 1);
   }
   return 0;

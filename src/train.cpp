@@ -15,6 +15,16 @@
 // Nothing is written before every input has been checked: the config, the resume checkpoint, the data
 // shards (they are opened before the run directory is made) and the run directory itself (a fresh run
 // does not overwrite an existing run; resume it instead).
+//
+// Data parallelism (a Communicator over N ranks, docs/DISTRIBUTED.md): every rank builds the same model
+// from the same seed (or loads the same checkpoint), reads slice r of every global batch of N * B
+// windows, and arms the backend before the last micro-batch so that its backward averages the gradient
+// buffer over the ranks. Every rank then holds the same gradients, so the same norm, clipping and AdamW
+// update keep the replicas identical without ever broadcasting weights. The logged loss is the mean over
+// ranks. Rank 0 alone writes config.toml, metrics.jsonl and checkpoints and runs validation (the others
+// wait for it in the next step's all-reduce, so CODA_NCCL_TIMEOUT_S must exceed a validation plus a
+// checkpoint write). Checkpoints hold full state; resuming with another N * B continues the data stream
+// where it stopped (continued_position). With N = 1 no communicator exists and nothing of this runs.
 #include "train.hpp"
 
 #include <spdlog/spdlog.h>
@@ -31,6 +41,8 @@
 
 #include "checkpoint.hpp"
 #include "data.hpp"
+#include "dist_plan.hpp"
+#include "distributed.hpp"
 #include "kernels/cuda_check.cuh"
 #include "rng.hpp"
 
@@ -142,6 +154,24 @@ void truncate_metrics(const fs::path& path, int step) {
   write_file_atomic(path, kept);
 }
 
+// The resumed loader position: the saved one when the global batch (world_size * batch_size windows) is
+// unchanged, else the one that continues the same stream of windows (rescale_loader_position).
+nlohmann::json continued_position(const nlohmann::json& saved, const DataLoader& data, const BatchPlan& plan) {
+  const size_t global_batch = static_cast<size_t>(plan.world_size) * static_cast<size_t>(plan.micro_batch);
+  const size_t saved_global_batch = saved.value("global_batch", global_batch);
+  if (saved_global_batch == global_batch) return saved;
+  const LoaderPosition from{saved.value("epoch", size_t{0}), saved.value("batch", size_t{0})};
+  const LoaderPosition to = rescale_loader_position(from, saved_global_batch, global_batch, data.batches_per_epoch());
+  spdlog::warn("resume: the global batch changed from {} to {} windows (ranks x batch_size): the data stream "
+               "continues at epoch {} batch {} (was epoch {} batch {} of the old size)",
+               saved_global_batch, global_batch, to.epoch, to.batch, from.epoch, from.batch);
+  nlohmann::json position = saved;
+  position["global_batch"] = global_batch;
+  position["epoch"] = to.epoch;
+  position["batch"] = to.batch;
+  return position;
+}
+
 std::string duration_text(double seconds) {
   const long s = std::lround(std::max(0.0, seconds));
   char text[32];
@@ -151,10 +181,21 @@ std::string duration_text(double seconds) {
 
 }  // namespace
 
-TrainResult train(const RunConfig& config) {
+void require_data_parallel_device(const RunConfig& config, int world_size) {
+  if (world_size > 1 && !use_cuda(config.device))
+    throw std::invalid_argument("device = " + config.device + (config.device == "auto" ? " (no GPU found)" : "") +
+                                ": data parallelism over " + std::to_string(world_size) +
+                                " ranks trains on GPUs only, one per rank; use --device cuda");
+}
+
+TrainResult train(const RunConfig& config, Communicator* comm) {
   config.validate();
+  const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
+  const bool root = rank == 0;
+  require_data_parallel_device(config, world_size);
   const ModelConfig& model = config.model;
   const int B = config.batch_size, T = config.seq_len, A = config.grad_accum;
+  const BatchPlan plan = plan_batch(world_size, B, T, A);
 
   Checkpoint resumed;
   std::string resume_dir;
@@ -164,16 +205,16 @@ TrainResult train(const RunConfig& config) {
     if (!resumed.has_trainer_state)
       throw std::runtime_error("resume " + resume_dir + ": no trainer state (a bare model cannot be resumed)");
     require_same_model(resumed.model, model, resume_dir);
-  } else if (holds_run(config.out)) {
+  } else if (root && holds_run(config.out)) {
     throw std::runtime_error("out " + config.out + " already holds a run; continue it with --resume " + config.out +
                              " or choose another --out");
   }
 
   Rng rng(config.seed);
   const uint64_t init_seed = rng.next_u64(), data_seed = rng.next_u64();
-  DataLoader train_data(config.train_data, B, T, 0, 1, true, data_seed, model.vocab_size);
+  DataLoader train_data(config.train_data, B, T, rank, world_size, true, data_seed, model.vocab_size);
   std::unique_ptr<DataLoader> val_data;
-  if (!config.val_data.empty())
+  if (root && !config.val_data.empty())
     val_data = std::make_unique<DataLoader>(config.val_data, B, T, 0, 1, false, 0, model.vocab_size);
 
   std::unique_ptr<Backend> backend = make_backend(config);
@@ -183,7 +224,7 @@ TrainResult train(const RunConfig& config) {
     backend->load_params(resumed.params.data());
     backend->load_optimizer_state(resumed.adam_m.data(), resumed.adam_v.data());
     step = resumed.state.step;
-    train_data.restore(resumed.state.data_position);
+    train_data.restore(continued_position(resumed.state.data_position, train_data, plan));
     rng.set_state(resumed.state.rng);
   } else {
     std::vector<float> params(layout.total);
@@ -192,20 +233,24 @@ TrainResult train(const RunConfig& config) {
   }
 
   const fs::path out(config.out);
-  fs::create_directories(out);
   const std::string effective = config_to_toml(config);
-  write_file_atomic(out / "config.toml", effective);
   const fs::path metrics_path = out / "metrics.jsonl";
-  if (resumed.has_trainer_state)
-    truncate_metrics(metrics_path, step);
-  else
-    write_file_atomic(metrics_path, "");
-  std::ofstream metrics(metrics_path, std::ios::app);
+  std::ofstream metrics;
+  if (root) {
+    fs::create_directories(out);
+    write_file_atomic(out / "config.toml", effective);
+    if (resumed.has_trainer_state)
+      truncate_metrics(metrics_path, step);
+    else
+      write_file_atomic(metrics_path, "");
+    metrics.open(metrics_path, std::ios::app);
+  }
 
   spdlog::info("effective configuration (saved as {}):\n{}", (out / "config.toml").string(), effective);
-  spdlog::info("model {}: {} parameters; backend {}; {} training tokens; {} tokens per step",
-               arch_name(model.arch), layout.num_parameters(), backend->name(), train_data.total_tokens(),
-               static_cast<long>(B) * T * A);
+  spdlog::info("model {}: {} parameters; backend {}; {} training tokens", arch_name(model.arch),
+               layout.num_parameters(), backend->name(), train_data.total_tokens());
+  spdlog::info("global batch {} sequences = {} ranks x batch_size {} x grad_accum {}; {} tokens per step",
+               plan.global_batch(), world_size, B, A, plan.tokens_per_step());
   if (!resume_dir.empty()) spdlog::info("resumed from {} at step {}", resume_dir, step);
 
   const auto save = [&](int at_step) {
@@ -226,8 +271,9 @@ TrainResult train(const RunConfig& config) {
   TrainResult result;
   result.step = step;
   result.val_loss = std::numeric_limits<float>::quiet_NaN();
+  const int first_step = step;
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
-  const double tokens_per_step = static_cast<double>(B) * T * A;
+  const double tokens_per_step = static_cast<double>(plan.tokens_per_step());
   const double flops = flops_per_token(model, T), peak = peak_flops(backend->name());
   double window_ms = 0.0;
   int window_steps = 0;
@@ -239,9 +285,11 @@ TrainResult train(const RunConfig& config) {
     float loss = 0.0f;
     for (int micro = 0; micro < A; ++micro) {
       train_data.next_batch(tokens.data(), targets.data());
+      if (comm != nullptr && micro == A - 1) backend->average_grads_in_next_backward(*comm);
       loss += backend->forward_backward(tokens.data(), targets.data(), B, T, 1.0f / static_cast<float>(A));
     }
     loss /= static_cast<float>(A);
+    if (comm != nullptr) loss = comm->all_reduce_scalar(loss, ReduceOp::Average);
     if (!std::isfinite(loss))
       throw std::runtime_error("step " + std::to_string(step + 1) + ": loss is " + std::to_string(loss) +
                                " (training diverged; try a lower lr)");
@@ -252,23 +300,25 @@ TrainResult train(const RunConfig& config) {
     ++step;
     const double ms = std::chrono::duration<double, std::milli>(clock::now() - start).count();
     const double tokens_per_s = tokens_per_step / (ms / 1000.0);
+    result.step = step;
+    result.loss = loss;
+    if (!root) continue;
 
+    const bool last = step == config.steps;
     nlohmann::json record = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"ms", ms},
                              {"tokens_per_s", tokens_per_s}};
-    const bool last = step == config.steps;
     if (val_data && config.val_every > 0 && (step % config.val_every == 0 || last)) {
       result.val_loss = mean_loss(*backend, *val_data, config.val_batches, B, T);
       record["val_loss"] = result.val_loss;
     }
     metrics << record.dump() << "\n" << std::flush;
-    result.step = step;
-    result.loss = loss;
 
     window_ms += ms;
     ++window_steps;
     if (step % config.log_every == 0 || last) {
       const double mean_ms = window_ms / window_steps;
-      const std::string mfu = peak > 0.0 ? fmt::format("{:.1f}%", 100.0 * flops * tokens_per_step / (mean_ms / 1000.0) / peak) : "-";
+      const std::string mfu =
+          peak > 0.0 ? fmt::format("{:.1f}%", 100.0 * job_throughput(plan, mean_ms / 1000.0, flops, peak).mfu) : "-";
       spdlog::info("step {:>6}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:.1f} ms | {:.0f} tok/s | MFU {} | ETA {}",
                    step, config.steps, loss, lr, norm, mean_ms, tokens_per_step / (mean_ms / 1000.0), mfu,
                    duration_text((config.steps - step) * mean_ms / 1000.0));
@@ -278,7 +328,7 @@ TrainResult train(const RunConfig& config) {
     if (record.contains("val_loss")) spdlog::info("step {:>6}/{} | val_loss {:.4f}", step, config.steps, result.val_loss);
     if ((config.checkpoint_every > 0 && step % config.checkpoint_every == 0) || last) result.checkpoint = save(step);
   }
-  if (result.checkpoint.empty()) spdlog::info("nothing to do: the run is already at step {} of {}", step, config.steps);
+  if (first_step >= config.steps) spdlog::info("nothing to do: the run is already at step {} of {}", step, config.steps);
   return result;
 }
 

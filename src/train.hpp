@@ -28,6 +28,10 @@ double peak_flops(const std::string& backend_name);
 // A checkpoint directory, or a run directory: then its newest step_N checkpoint. Throws naming path.
 std::string find_checkpoint(const std::string& path);
 
+// Data parallelism trains on GPUs only: throws std::invalid_argument naming the device key when
+// world_size > 1 and config.device does not resolve to the cuda backend.
+void require_data_parallel_device(const RunConfig& config, int world_size);
+
 struct TrainResult {
   int step = 0;             // optimizer steps completed
   float loss = 0.0f;        // training loss of the last step
@@ -40,7 +44,11 @@ struct TrainResult {
 //   metrics.jsonl   one JSON object per step: step, loss, lr, grad_norm, ms, tokens_per_s (+ val_loss)
 //   step_N/         checkpoints (checkpoint.hpp) every checkpoint_every steps and at the end
 // A fresh run refuses a directory that already holds a run; --resume continues one exactly.
-TrainResult train(const RunConfig& config);
+// comm: data parallelism over comm's ranks (every rank calls train with the same config); null: one
+// process. With several ranks, rank r reads slice r of every global batch, gradients and the logged loss
+// are averaged over ranks, and rank 0 alone writes the run directory and validates; on the others
+// TrainResult::checkpoint stays empty and val_loss NaN. tokens_per_s counts the whole job.
+TrainResult train(const RunConfig& config, Communicator* comm = nullptr);
 
 struct EvalOptions {
   std::string checkpoint;   // checkpoint or run directory

@@ -1,15 +1,18 @@
 // The NCCL communicator on real GPUs, for any number of ranks: run as part of gpu_tests on one GPU, or as
 //   mpirun -np N ./build/gpu_tests --gtest_filter='Communicator.*'
 // on N GPUs. Every rank fills its buffers from a seed that depends on its rank, so each rank can compute
-// on the host what the collective must return (the sum or mean over all ranks' data) and compare.
+// on the host what the collective must return (the sum or mean over all ranks' data) and compare. The
+// last test does the same with the CUDA backend's data-parallel backward.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
+#include "backend.hpp"
 #include "dist_plan.hpp"
 #include "distributed.hpp"
 #include "kernels/cuda_check.cuh"
@@ -205,6 +208,76 @@ TEST(Communicator, ScalarAndBroadcast) {
   comm.broadcast(buffer.ptr, count, DType::F32, root);
   comm.synchronize();
   EXPECT_EQ(download(buffer.f32(), count), root_data);
+}
+
+// The CUDA backend's data-parallel backward (Backend::average_grads_in_next_backward), which reduces each
+// gradient bucket while the backward of the layers below runs. Two micro-batches per rank, the second one
+// reducing: every rank must end with the mean over ranks of each rank's accumulated gradients. Each rank
+// computes that reference itself, by running every rank's micro-batches without communication. Attention's
+// dQ accumulates with atomics, so the comparison is tensor by tensor in relative L2 norm.
+TEST(Communicator, BackendAveragesGradientsDuringBackward) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Communicator comm(context());
+  const int rank = comm.rank(), world = comm.world_size();
+  const int B = 2, T = 64;
+  for (Arch arch : {Arch::GPT2, Arch::Llama}) {
+    ModelConfig model;  // head_dim 64, as the attention kernels need
+    model.arch = arch;
+    model.n_layer = 3;
+    model.d_model = 128;
+    model.n_head = 2;
+    model.n_kv_head = arch == Arch::GPT2 ? 2 : 1;
+    model.d_ff = arch == Arch::GPT2 ? 512 : 344;
+    model.vocab_size = 1000;
+    model.max_seq_len = T;
+    model.tied_head = arch == Arch::GPT2;
+    const ParamLayout layout = make_param_layout(model);
+    std::vector<float> params(layout.total);
+    init_params(model, layout, 5, params.data());
+    std::unique_ptr<Backend> backend = make_cuda_backend(model, "unfused", B, T);
+    backend->load_params(params.data());
+
+    const auto run_micro_batch = [&](int of_rank, int micro) {
+      Rng rng(1000 + 10 * static_cast<uint64_t>(of_rank) + static_cast<uint64_t>(micro));
+      std::vector<int32_t> sequence(static_cast<size_t>(B) * T + 1);
+      for (int32_t& token : sequence) token = static_cast<int32_t>(rng.below(model.vocab_size));
+      return backend->forward_backward(sequence.data(), sequence.data() + 1, B, T, 0.5f);
+    };
+    // Relative L2 error of got against want, tensor by tensor.
+    const auto expect_close = [&](const std::vector<float>& got, const std::vector<double>& want, const char* what) {
+      for (const ParamTensor& tensor : layout.tensors) {
+        double diff = 0.0, norm = 0.0;
+        for (size_t i = tensor.offset; i < tensor.offset + tensor.numel; ++i) {
+          diff += (got[i] - want[i]) * (got[i] - want[i]);
+          norm += want[i] * want[i];
+        }
+        EXPECT_GT(norm, 0.0) << tensor.name;
+        EXPECT_LT(std::sqrt(diff), 1e-5 * std::sqrt(norm)) << arch_name(arch) << " " << what << " " << tensor.name;
+      }
+    };
+    std::vector<double> mean(layout.total, 0.0), own(layout.total);
+    std::vector<float> grads(layout.total);
+    for (int r = 0; r < world; ++r) {
+      backend->zero_grad();
+      run_micro_batch(r, 0);
+      run_micro_batch(r, 1);
+      backend->read_grads(grads.data());
+      for (size_t i = 0; i < layout.total; ++i) mean[i] += grads[i] / static_cast<double>(world);
+      if (r == rank) own.assign(grads.begin(), grads.end());
+    }
+    backend->zero_grad();
+    run_micro_batch(rank, 0);
+    backend->average_grads_in_next_backward(comm);
+    run_micro_batch(rank, 1);
+    backend->read_grads(grads.data());
+    expect_close(grads, mean, "averaged");
+    // The reduction was armed for one backward only: the next step is local again.
+    backend->zero_grad();
+    run_micro_batch(rank, 0);
+    run_micro_batch(rank, 1);
+    backend->read_grads(grads.data());
+    expect_close(grads, own, "local");
+  }
 }
 
 }  // namespace

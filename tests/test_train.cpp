@@ -198,6 +198,36 @@ TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
   }
 }
 
+// Resuming on another number of GPUs changes the loader's global batch (ranks x batch_size). Here one
+// process resumes a run of batch_size 8 with batch_size 4 and twice the accumulation: every step reads the
+// same 8 windows as before, so the stream continues exactly and the losses follow the uninterrupted run up
+// to the summation order of the smaller micro-batches.
+TEST_F(Training, ResumeWithAnotherGlobalBatchContinuesTheDataStream) {
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "whole_batch8");
+  c.checkpoint_every = 6;
+  coda::train(c);
+  const nlohmann::json whole_position = coda::load_checkpoint((fs::path(c.out) / "step_12").string()).state.data_position;
+
+  const fs::path interrupted = root_ / "resumed_batch4";
+  fs::create_directories(interrupted);
+  fs::copy(fs::path(c.out) / "step_6", interrupted / "step_6", fs::copy_options::recursive);
+  coda::RunConfig resumed = c;
+  resumed.batch_size = 4;
+  resumed.grad_accum = 2;
+  resumed.out = interrupted.string();
+  resumed.resume = interrupted.string();
+  const coda::TrainResult result = coda::train(resumed);
+  ASSERT_EQ(result.step, 12);
+
+  const std::vector<float> whole = losses(c.out), continued = losses(resumed.out);
+  ASSERT_EQ(continued.size(), 6u);
+  for (size_t i = 0; i < continued.size(); ++i) EXPECT_NEAR(continued[i], whole[6 + i], 2e-4f) << "step " << 7 + i;
+  const nlohmann::json position = coda::load_checkpoint(result.checkpoint).state.data_position;
+  EXPECT_EQ(position.at("global_batch").get<int>(), 4);
+  EXPECT_EQ(position.at("epoch"), whole_position.at("epoch"));
+  EXPECT_EQ(position.at("batch").get<int>(), 2 * whole_position.at("batch").get<int>()) << "the same windows were read";
+}
+
 TEST_F(Training, RefusesToOverwriteARunOrResumeADifferentModel) {
   coda::RunConfig c = tiny(coda::Arch::GPT2, "guarded");
   c.steps = 2;
