@@ -158,9 +158,12 @@ void truncate_metrics(const fs::path& path, int step) {
 // unchanged, else the one that continues the same stream of windows (rescale_loader_position).
 nlohmann::json continued_position(const nlohmann::json& saved, const DataLoader& data, const BatchPlan& plan) {
   const size_t global_batch = static_cast<size_t>(plan.world_size) * static_cast<size_t>(plan.micro_batch);
-  const size_t saved_global_batch = saved.value("global_batch", global_batch);
+  // A position without these keys is returned as it is, for DataLoader::restore to name what is missing.
+  if (!saved.is_object() || !saved.contains("global_batch") || !saved.contains("epoch") || !saved.contains("batch"))
+    return saved;
+  const size_t saved_global_batch = saved.at("global_batch").get<size_t>();
   if (saved_global_batch == global_batch) return saved;
-  const LoaderPosition from{saved.value("epoch", size_t{0}), saved.value("batch", size_t{0})};
+  const LoaderPosition from{saved.at("epoch").get<size_t>(), saved.at("batch").get<size_t>()};
   const LoaderPosition to = rescale_loader_position(from, saved_global_batch, global_batch, data.batches_per_epoch());
   spdlog::warn("resume: the global batch changed from {} to {} windows (ranks x batch_size): the data stream "
                "continues at epoch {} batch {} (was epoch {} batch {} of the old size)",
