@@ -8,9 +8,15 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
 
 install_missing_packages() {
-  local packages=(cmake ninja-build g++ libcli11-dev libspdlog-dev nlohmann-json3-dev libgtest-dev)
+  # Tools count as present when they are on PATH (however they were installed), libraries when dpkg has
+  # them. libopenmpi-dev is only needed to launch with mpirun (the build works without MPI).
   local missing=()
-  for package in "${packages[@]}"; do
+  local tool
+  for tool in cmake:cmake ninja:ninja-build g++:g++; do
+    command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
+  done
+  local package
+  for package in libcli11-dev libspdlog-dev nlohmann-json3-dev libgtest-dev libopenmpi-dev; do
     dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
