@@ -27,6 +27,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <stdexcept>
 
@@ -229,7 +230,13 @@ std::vector<std::string> match_shards(const std::string& pattern) {
   if (rc == GLOB_NOMATCH || (rc == 0 && paths.empty())) {
     throw std::runtime_error("no shard files match \"" + pattern + "\"");
   }
-  if (rc != 0) throw std::runtime_error("cannot expand shard pattern \"" + pattern + "\" (read error)");
+  if (rc == GLOB_ABORTED) {
+    std::string dir = std::filesystem::path(pattern).parent_path().string();
+    if (dir.empty()) dir = ".";
+    throw std::runtime_error("no shard files match \"" + pattern + "\": cannot read directory \"" + dir +
+                             "\" (missing? `coda prepare` writes shards)");
+  }
+  if (rc != 0) throw std::runtime_error("cannot expand shard pattern \"" + pattern + "\"");
   std::sort(paths.begin(), paths.end());
   return paths;
 }
