@@ -4,8 +4,6 @@
 // (bf16, no "transformer." prefix, sharded), errors that name the file, and the atomic replace.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +20,7 @@
 #include "model.hpp"
 #include "rng.hpp"
 #include "safetensors.hpp"
+#include "test_util.hpp"
 
 namespace fs = std::filesystem;
 using coda::Arch;
@@ -29,26 +28,9 @@ using coda::Checkpoint;
 using coda::ModelConfig;
 using coda::ParamLayout;
 using coda::SafetensorsFile;
+using coda::test::TempDir;
 
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("coda_ckpt_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" + std::to_string(getpid()) + "_" +
-             std::to_string(count_++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  static inline int count_ = 0;
-  fs::path path_;
-};
 
 ModelConfig gpt2_config() {
   ModelConfig c;
@@ -205,7 +187,7 @@ std::vector<float> read_model_tensor(const std::string& dir, const std::string& 
 }  // namespace
 
 TEST(Safetensors, F32RoundTrip) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const std::string path = tmp / "t.safetensors";
   const std::vector<float> a = random_vector(7 * 13, 1, false), b = random_vector(5, 2, false);
   coda::write_safetensors(path,
@@ -232,7 +214,7 @@ TEST(Safetensors, F32RoundTrip) {
 }
 
 TEST(Safetensors, ReadsHandBuiltBf16AndF16) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const std::string path = tmp / "h.safetensors";
   // bf16: random floats truncated to bf16, whose values are known exactly.
   coda::Rng rng(7);
@@ -285,7 +267,7 @@ TEST(Safetensors, ReadsHandBuiltBf16AndF16) {
 }
 
 TEST(Safetensors, RejectsBadFiles) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const std::string path = tmp / "bad.safetensors";
   const std::string data = raw(random_vector(6, 3, false));
   auto header_with = [](const nlohmann::json& a_offsets, const nlohmann::json& a_shape, const char* dtype) {
@@ -322,25 +304,25 @@ TEST(Safetensors, RejectsBadFiles) {
 }
 
 TEST(Checkpoint, RoundTripGpt2) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const Saved s = save_random(tmp / "ck", gpt2_config(), 11);
   expect_round_trip(tmp / "ck", s);
 }
 
 TEST(Checkpoint, RoundTripLlamaGqaUntied) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const Saved s = save_random(tmp / "ck", llama_config(false), 12);
   expect_round_trip(tmp / "ck", s);
 }
 
 TEST(Checkpoint, RoundTripLlamaTied) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const Saved s = save_random(tmp / "ck", llama_config(true), 13);
   expect_round_trip(tmp / "ck", s);
 }
 
 TEST(Checkpoint, Gpt2UsesHfLayout) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const std::string dir = tmp / "ck";
   const Saved s = save_random(dir, gpt2_config(), 21);
   const ModelConfig& c = s.config;
@@ -389,7 +371,7 @@ TEST(Checkpoint, Gpt2UsesHfLayout) {
 }
 
 TEST(Checkpoint, LlamaUsesHfLayout) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const std::string dir = tmp / "ck";
   const Saved s = save_random(dir, llama_config(false), 22);
   const ModelConfig& c = s.config;
@@ -445,7 +427,7 @@ TEST(Checkpoint, LlamaUsesHfLayout) {
   EXPECT_EQ(config["rms_norm_eps"].get<double>(), 1e-6);
   EXPECT_EQ(config["hidden_act"], "silu");
 
-  TempDir tied_tmp;
+  TempDir tied_tmp("coda_ckpt");
   save_random(tied_tmp / "tied", llama_config(true), 23);
   EXPECT_FALSE(SafetensorsFile(tied_tmp / "tied/model.safetensors").contains("lm_head.weight"));
 }
@@ -453,7 +435,7 @@ TEST(Checkpoint, LlamaUsesHfLayout) {
 // A plain HF GPT-2 directory as the original conversion has it: bf16, no "transformer." prefix, the
 // attention-mask buffers, n_inner null, no trainer files.
 TEST(Checkpoint, LoadsPlainHfGpt2Bf16) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const Saved s = save_random(tmp / "ours", gpt2_config(), 31);
   const SafetensorsFile ours(tmp / "ours/model.safetensors");
   const std::string dir = tmp / "hf";
@@ -493,7 +475,7 @@ TEST(Checkpoint, LoadsPlainHfGpt2Bf16) {
 
 // A sharded HF Llama directory (model.safetensors.index.json), F32, without trainer files.
 TEST(Checkpoint, LoadsShardedHfLlama) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const Saved s = save_random(tmp / "ours", llama_config(false), 32);
   const SafetensorsFile ours(tmp / "ours/model.safetensors");
   const std::string dir = tmp / "hf";
@@ -520,7 +502,7 @@ TEST(Checkpoint, LoadsShardedHfLlama) {
 }
 
 TEST(Checkpoint, ErrorsNameTheFile) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const std::string dir = tmp / "ck";
   save_random(dir, llama_config(false), 41);
   const std::string model = dir + "/model.safetensors", config = dir + "/config.json",
@@ -571,7 +553,7 @@ TEST(Checkpoint, ErrorsNameTheFile) {
   expect_error(load, {optimizer, "missing"});
   restore();
   // A model.safetensors from another checkpoint no longer matches the optimizer's master copy.
-  TempDir other;
+  TempDir other("coda_ckpt");
   save_random(other / "ck", llama_config(false), 42);
   fs::copy_file(other / "ck/model.safetensors", model, fs::copy_options::overwrite_existing);
   expect_error(load, {optimizer, "master"});
@@ -593,7 +575,7 @@ TEST(Checkpoint, ErrorsNameTheFile) {
 }
 
 TEST(Checkpoint, AtomicReplace) {
-  TempDir tmp;
+  TempDir tmp("coda_ckpt");
   const std::string dir = tmp / "ck";
   save_random(dir, gpt2_config(), 51);
   // A stale half-written DIR.tmp from a crash is cleared, and the new checkpoint replaces the old.

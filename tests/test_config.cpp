@@ -7,7 +7,6 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -16,8 +15,10 @@
 
 #include "config.hpp"
 #include "rng.hpp"
+#include "test_util.hpp"
 
 namespace fs = std::filesystem;
+using coda::test::TempDir;
 
 namespace {
 
@@ -37,20 +38,6 @@ CommandResult run_coda(const std::string& arguments) {
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return result;
 }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "coda_config_XXXXXX").string();
-    path_ = mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write_text(const fs::path& path, const std::string& text) {
   std::ofstream(path) << text;
@@ -155,21 +142,21 @@ TEST(Config, TomlRoundTripKeepsEveryValueExactly) {
 }
 
 TEST(Config, WrittenFileReadsBackThroughConfigFlag) {
-  TempDir dir;
+  TempDir dir("coda_config");
   const coda::RunConfig original = random_config(7);
   write_text(dir / "run.toml", coda::config_to_toml(original));
-  const coda::RunConfig parsed = coda::resolve_config(key_factory(), (dir / "run.toml").string(), {});
+  const coda::RunConfig parsed = coda::resolve_config(key_factory(), dir / "run.toml", {});
   expect_same(original, parsed);
 }
 
 TEST(Config, CommandLineOverridesConfigFile) {
-  TempDir dir;
+  TempDir dir("coda_config");
   write_text(dir / "c.toml", "[model]\nn_layer = 3\nd_model = 96\n[optim]\nlr = 0.002\nsteps = 50\n");
-  const coda::RunConfig from_file = coda::resolve_config(key_factory(), (dir / "c.toml").string(), {});
+  const coda::RunConfig from_file = coda::resolve_config(key_factory(), dir / "c.toml", {});
   EXPECT_EQ(from_file.model.n_layer, 3);
   EXPECT_EQ(from_file.lr, 0.002f);
   const coda::RunConfig overridden =
-      coda::resolve_config(key_factory(), (dir / "c.toml").string(), {"--lr", "5e-4", "--n_layer=5", "--seed", "99"});
+      coda::resolve_config(key_factory(), dir / "c.toml", {"--lr", "5e-4", "--n_layer=5", "--seed", "99"});
   EXPECT_EQ(overridden.model.n_layer, 5);
   EXPECT_EQ(overridden.model.d_model, 96);  // from the file, untouched
   EXPECT_EQ(overridden.lr, 5e-4f);
@@ -178,10 +165,10 @@ TEST(Config, CommandLineOverridesConfigFile) {
 }
 
 TEST(Config, CommandLineCanRepairAnInvalidFileValue) {
-  TempDir dir;
+  TempDir dir("coda_config");
   write_text(dir / "c.toml", "[model]\nd_model = 66\n");
-  EXPECT_THROW(coda::resolve_config(key_factory(), (dir / "c.toml").string(), {}), std::invalid_argument);
-  EXPECT_EQ(coda::resolve_config(key_factory(), (dir / "c.toml").string(), {"--d_model", "96"}).model.d_model, 96);
+  EXPECT_THROW(coda::resolve_config(key_factory(), dir / "c.toml", {}), std::invalid_argument);
+  EXPECT_EQ(coda::resolve_config(key_factory(), dir / "c.toml", {"--d_model", "96"}).model.d_model, 96);
 }
 
 TEST(Config, KeysAtTheTopLevelAreAccepted) {
@@ -225,7 +212,7 @@ class TrainRejects : public testing::TestWithParam<BadInput> {};
 
 TEST_P(TrainRejects, WithAClearMessageAndNoRunDirectory) {
   const BadInput& bad = GetParam();
-  TempDir dir;
+  TempDir dir("coda_config");
   const fs::path config = dir / "bad.toml";
   if (bad.config != nullptr) write_text(config, bad.config);
   const fs::path out = dir / "run";
@@ -266,7 +253,7 @@ TEST(Config, UsageErrorsExitWithTwoAndOtherErrorsWithOne) {
   EXPECT_EQ(run_coda("train --stepz 3").exit_code, 2);
   EXPECT_EQ(run_coda("frobnicate").exit_code, 2);
   EXPECT_EQ(run_coda("").exit_code, 2);
-  TempDir dir;
+  TempDir dir("coda_config");
   write_text(dir / "bad.toml", "bogus = 1\n");
-  EXPECT_EQ(run_coda("train --config " + (dir / "bad.toml").string()).exit_code, 1);
+  EXPECT_EQ(run_coda("train --config " + (dir / "bad.toml")).exit_code, 1);
 }

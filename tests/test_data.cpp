@@ -5,7 +5,6 @@
 // which window it is. Everything else uses random tokens.
 #include <CLI/CLI.hpp>
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +18,7 @@
 #include "data.hpp"
 #include "prepare.hpp"
 #include "rng.hpp"
+#include "test_util.hpp"
 
 namespace fs = std::filesystem;
 using coda::DataLoader;
@@ -30,16 +30,7 @@ constexpr int kTagVocab = 1 << 20;
 
 class DataTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("coda_test_data_" + std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const { return dir_ / name; }
 
   static std::vector<uint32_t> random_tokens(size_t n, uint32_t vocab, uint64_t seed) {
     coda::Rng rng(seed);
@@ -96,7 +87,7 @@ class DataTest : public ::testing::Test {
     }
   }
 
-  fs::path dir_;
+  coda::test::TempDir dir_{"coda_data"};
 };
 
 TEST_F(DataTest, ShardRoundTripUint16) {

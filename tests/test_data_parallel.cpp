@@ -8,9 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <sys/wait.h>
@@ -20,6 +20,7 @@
 #include "dist_plan.hpp"
 #include "kernels/cuda_check.cuh"
 #include "rng.hpp"
+#include "test_util.hpp"
 #include "train.hpp"
 
 namespace fs = std::filesystem;
@@ -33,17 +34,15 @@ constexpr uint64_t kSeed = 77;
 class DataParallelResume : public testing::Test {
  protected:
   static void SetUpTestSuite() {
-    std::string pattern = (fs::temp_directory_path() / "coda_dp_XXXXXX").string();
-    root_ = mkdtemp(pattern.data());
+    root_.emplace("coda_dp");
     std::vector<uint32_t> tokens(kWindows * kT + 1);
     for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i);
-    coda::write_shard((root_ / "train_000.bin").string(), tokens, 65536);
+    coda::write_shard(*root_ / "train_000.bin", tokens, 65536);
   }
-  static void TearDownTestSuite() { fs::remove_all(root_); }
+  static void TearDownTestSuite() { root_.reset(); }
 
   static std::unique_ptr<coda::DataLoader> loader(int B, int rank, int world_size) {
-    return std::make_unique<coda::DataLoader>((root_ / "train_*.bin").string(), B, kT, rank, world_size, true, kSeed,
-                                              65536);
+    return std::make_unique<coda::DataLoader>(*root_ / "train_*.bin", B, kT, rank, world_size, true, kSeed, 65536);
   }
 
   // Window ids of the next `batches` global batches read by the ranks of one job, in global order.
@@ -64,10 +63,8 @@ class DataParallelResume : public testing::Test {
     return ranks;
   }
 
-  static fs::path root_;
+  static inline std::optional<coda::test::TempDir> root_;
 };
-
-fs::path DataParallelResume::root_;
 
 }  // namespace
 
@@ -150,8 +147,8 @@ TEST(DataParallelDevice, TrainRefusesSeveralRanksOnTheCpu) {
 }
 
 TEST(DataParallelDevice, CliUnderALauncherRefusesTheCpuBeforeStartingAnything) {
-  const std::string out = (fs::temp_directory_path() / "coda_dp_cli_run").string();
-  fs::remove_all(out);
+  const coda::test::TempDir tmp("coda_dp_cli");
+  const std::string out = tmp / "run";
   // Each launcher's variables for rank 1 of 2 on one node; nothing is started, so faking them is safe.
   const std::vector<std::string> launchers = {
       "OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=1 OMPI_COMM_WORLD_LOCAL_SIZE=2",

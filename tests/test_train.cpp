@@ -6,9 +6,9 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +16,7 @@
 
 #include "checkpoint.hpp"
 #include "prepare.hpp"
+#include "test_util.hpp"
 #include "train.hpp"
 
 namespace fs = std::filesystem;
@@ -63,11 +64,10 @@ class Training : public testing::Test {
  protected:
   static void SetUpTestSuite() {
     spdlog::set_level(spdlog::level::warn);
-    std::string pattern = (fs::temp_directory_path() / "coda_train_XXXXXX").string();
-    root_ = mkdtemp(pattern.data());
-    coda::prepare_synthetic((root_ / "data").string(), 400000, 20000, 4242, 150000);
+    root_.emplace("coda_train");
+    coda::prepare_synthetic(*root_ / "data", 400000, 20000, 4242, 150000);
   }
-  static void TearDownTestSuite() { fs::remove_all(root_); }
+  static void TearDownTestSuite() { root_.reset(); }
 
   // A tiny model of either architecture on the prepared corpus.
   static coda::RunConfig tiny(coda::Arch arch, const std::string& out) {
@@ -81,15 +81,15 @@ class Training : public testing::Test {
     c.model.vocab_size = coda::kByteVocabSize;
     c.model.max_seq_len = 16;
     c.model.tied_head = arch == coda::Arch::GPT2;
-    c.train_data = (root_ / "data" / "train_*.bin").string();
-    c.val_data = (root_ / "data" / "val_*.bin").string();
+    c.train_data = *root_ / "data/train_*.bin";
+    c.val_data = *root_ / "data/val_*.bin";
     c.batch_size = 8;
     c.seq_len = 16;
     c.steps = 12;
     c.lr = 3e-3f;
     c.warmup_steps = 4;
     c.device = "cpu";
-    c.out = (root_ / out).string();
+    c.out = *root_ / out;
     c.log_every = 1000;
     c.val_every = 6;
     c.val_batches = 2;
@@ -111,10 +111,8 @@ class Training : public testing::Test {
 
   static float learn(coda::Arch arch, int steps);
 
-  static fs::path root_;
+  static inline std::optional<coda::test::TempDir> root_;
 };
-
-fs::path Training::root_;
 
 }  // namespace
 
@@ -152,13 +150,13 @@ TEST_F(Training, LlamaLossFallsPastTheBigramBoundTowardTheEntropyRate) {
 TEST_F(Training, OneSeedGivesIdenticalRunsAndAnotherSeedDoesNot) {
   coda::RunConfig c = tiny(coda::Arch::Llama, "seed_a");
   coda::train(c);
-  c.out = (root_ / "seed_b").string();
+  c.out = *root_ / "seed_b";
   coda::train(c);
-  c.out = (root_ / "seed_c").string();
+  c.out = *root_ / "seed_c";
   c.seed += 1;
   coda::train(c);
-  const std::vector<float> a = losses((root_ / "seed_a").string()), b = losses((root_ / "seed_b").string()),
-                           other = losses((root_ / "seed_c").string());
+  const std::vector<float> a = losses(*root_ / "seed_a"), b = losses(*root_ / "seed_b"),
+                           other = losses(*root_ / "seed_c");
   ASSERT_EQ(a.size(), 12u);
   EXPECT_EQ(a, b);
   EXPECT_NE(a, other);
@@ -174,7 +172,7 @@ TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
     ASSERT_EQ(whole.step, 12);
 
     // Interrupted after step 6: the run directory as it was then, continued in place.
-    const fs::path interrupted = root_ / ("interrupted_" + name);
+    const fs::path interrupted = *root_ / ("interrupted_" + name);
     fs::create_directories(interrupted);
     fs::copy(fs::path(c.out) / "step_6", interrupted / "step_6", fs::copy_options::recursive);
     std::ofstream partial(interrupted / "metrics.jsonl");
@@ -208,7 +206,7 @@ TEST_F(Training, ResumeWithAnotherGlobalBatchContinuesTheDataStream) {
   coda::train(c);
   const nlohmann::json whole_position = coda::load_checkpoint((fs::path(c.out) / "step_12").string()).state.data_position;
 
-  const fs::path interrupted = root_ / "resumed_batch4";
+  const fs::path interrupted = *root_ / "resumed_batch4";
   fs::create_directories(interrupted);
   fs::copy(fs::path(c.out) / "step_6", interrupted / "step_6", fs::copy_options::recursive);
   coda::RunConfig resumed = c;
