@@ -164,6 +164,9 @@ TEST_F(DataTest, MatchShardsSortsAndFailsOnNoMatch) {
   expect_error_naming([&] { coda::match_shards(path("z_*.bin")); }, path("z_*.bin"), "no shard files match");
   expect_error_naming([&] { DataLoader(path("z_*.bin"), 1, 4, 0, 1, false, 0, 256); }, path("z_*.bin"),
                       "no shard files match");
+  // A directory that does not exist is named, with the way to make the data.
+  expect_error_naming([&] { coda::match_shards(path("absent/x_*.bin")); }, path("absent"), "cannot read directory");
+  expect_error_naming([&] { coda::match_shards(path("absent/x_*.bin")); }, path("absent"), "coda prepare");
 }
 
 TEST_F(DataTest, TooFewWindowsForOneGlobalBatch) {
