@@ -68,25 +68,25 @@ void expect_error(F body, const std::string& needle) {
   }
 }
 
+// Expects detect_launch() in the current environment to report exactly these values.
+void expect_launch(Launcher launcher, int rank, int world_size, int local_rank, int local_size) {
+  const LaunchInfo info = detect_launch();
+  EXPECT_EQ(info.launcher, launcher);
+  EXPECT_EQ(info.rank, rank);
+  EXPECT_EQ(info.world_size, world_size);
+  EXPECT_EQ(info.local_rank, local_rank);
+  EXPECT_EQ(info.local_size, local_size);
+}
+
 TEST(Launch, SingleProcessWithoutLauncher) {
   EnvGuard env;
-  const LaunchInfo info = detect_launch();
-  EXPECT_EQ(info.launcher, Launcher::None);
-  EXPECT_EQ(info.rank, 0);
-  EXPECT_EQ(info.world_size, 1);
-  EXPECT_EQ(info.local_rank, 0);
-  EXPECT_EQ(info.local_size, 1);
+  expect_launch(Launcher::None, 0, 1, 0, 1);
 }
 
 TEST(Launch, OpenMpi) {
   EnvGuard env;
   set_openmpi(env, 13, 16, 5, 8);
-  const LaunchInfo info = detect_launch();
-  EXPECT_EQ(info.launcher, Launcher::Mpirun);
-  EXPECT_EQ(info.rank, 13);
-  EXPECT_EQ(info.world_size, 16);
-  EXPECT_EQ(info.local_rank, 5);
-  EXPECT_EQ(info.local_size, 8);
+  expect_launch(Launcher::Mpirun, 13, 16, 5, 8);
 }
 
 TEST(Launch, HydraMpirun) {
@@ -95,12 +95,7 @@ TEST(Launch, HydraMpirun) {
   env.set("PMI_SIZE", "4");
   env.set("MPI_LOCALRANKID", "1");
   env.set("MPI_LOCALNRANKS", "2");
-  const LaunchInfo info = detect_launch();
-  EXPECT_EQ(info.launcher, Launcher::Mpirun);
-  EXPECT_EQ(info.rank, 3);
-  EXPECT_EQ(info.world_size, 4);
-  EXPECT_EQ(info.local_rank, 1);
-  EXPECT_EQ(info.local_size, 2);
+  expect_launch(Launcher::Mpirun, 3, 4, 1, 2);
 }
 
 TEST(Launch, Srun) {
@@ -111,12 +106,7 @@ TEST(Launch, Srun) {
   env.set("SLURM_LOCALID", "1");
   env.set("SLURM_STEP_TASKS_PER_NODE", "4(x2),2(x2)");
   env.set("SLURM_NODEID", "3");
-  const LaunchInfo info = detect_launch();
-  EXPECT_EQ(info.launcher, Launcher::Slurm);
-  EXPECT_EQ(info.rank, 9);
-  EXPECT_EQ(info.world_size, 12);
-  EXPECT_EQ(info.local_rank, 1);
-  EXPECT_EQ(info.local_size, 2);
+  expect_launch(Launcher::Slurm, 9, 12, 1, 2);
 }
 
 TEST(Launch, SlurmBatchScriptIsOneProcess) {
@@ -138,12 +128,7 @@ TEST(Launch, MpirunInsideSlurmAllocationUsesMpiVariables) {
   env.set("SLURM_LOCALID", "0");
   env.set("SLURM_STEP_TASKS_PER_NODE", "1(x2)");
   set_openmpi(env, 6, 8, 2, 4);
-  const LaunchInfo info = detect_launch();
-  EXPECT_EQ(info.launcher, Launcher::Mpirun);
-  EXPECT_EQ(info.rank, 6);
-  EXPECT_EQ(info.world_size, 8);
-  EXPECT_EQ(info.local_rank, 2);
-  EXPECT_EQ(info.local_size, 4);
+  expect_launch(Launcher::Mpirun, 6, 8, 2, 4);
 }
 
 TEST(Launch, BadEnvironmentsNameTheProblem) {
