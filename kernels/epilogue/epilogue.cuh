@@ -94,6 +94,9 @@ CODA_HD float fast_tanh(float x) {
 #endif
 }
 
+CODA_HD float to_float(float x) { return x; }
+CODA_HD float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 // ---- scalar functions used by maps ----------------------------------------------------------------
 
 struct Mul {
@@ -169,6 +172,55 @@ struct Rope {
   }
 };
 
+// ---- operands: the second factor of a broadcast, a dot or a scaled subtraction --------------------
+// x(f, ctx, i): the operand at (f.row, out_col(f) + i); begin_rows loads per-row data.
+
+struct Ones {
+  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD float operator()(const Frag&, const RowCtx&, int) const { return 1.0f; }
+};
+
+template <class T>
+struct ColVectorOf {
+  const T* vec;
+  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD float operator()(const Frag& f, const RowCtx&, int i) const { return to_float(vec[out_col(f) + i]); }
+};
+using ColVector = ColVectorOf<float>;
+
+// A per-row value: stat(row) evaluated once per row as the rows begin (0 on rows >= M). Stat is a loaded
+// vector (RowVector) or a statistic finished from a producer's partials (norm_stats.cuh).
+template <class Stat>
+struct RowOf {
+  Stat stat;
+  float value[2] = {0.0f, 0.0f};
+  CODA_HD RowOf(const Stat& s) : stat(s) {}  // implicit: RowBroadcast<Op, RowOf<S>>(stat)
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+    for (int s = 0; s < ctx.num_slots; ++s) value[s] = ctx.rows[s] < ctx.M ? stat(ctx.rows[s]) : 0.0f;
+  }
+  CODA_HD float operator()(const Frag& f, const RowCtx&, int) const { return value[f.slot]; }
+};
+
+struct Loaded {
+  const float* vec;
+  CODA_HD Loaded(const float* v) : vec(v) {}  // implicit: RowVector(pointer)
+  CODA_HD float operator()(int row) const { return vec[row]; }
+};
+
+struct RowVector : RowOf<Loaded> {
+  CODA_HD RowVector(const float* v) : RowOf<Loaded>(Loaded(v)) {}  // implicit: RowBroadcast<Op>(pointer)
+};
+
+// A bf16 tile of the output's shape (row stride ld); 0 on rows >= M.
+struct Tile {
+  const __nv_bfloat16* src;
+  int ld;
+  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD float operator()(const Frag& f, const RowCtx& ctx, int i) const {
+    return f.row < ctx.M ? __bfloat162float(src[static_cast<size_t>(f.row) * ld + out_col(f) + i]) : 0.0f;
+  }
+};
+
 // ---- primitives -----------------------------------------------------------------------------------
 
 // Empty hooks; each primitive overrides the ones it needs. kColsPerOut: accumulator columns per output
@@ -183,29 +235,29 @@ struct Primitive {
   CODA_HD void end_rows(const RowCtx&, const Lanes&) {}
 };
 
-// Row broadcast: v = op(v, vec[row]) (RMSNorm rstd scale, LayerNorm mean, ...).
-template <class Op>
+// Row broadcast: v = op(v, x[row]) for a row operand x (above): a loaded vector (RowVector: RMSNorm
+// rstd, LayerNorm mean, ...) or a statistic finished from partials as the rows begin (norm_stats.cuh).
+template <class Op, class X = RowVector>
 struct RowBroadcast : Primitive {
-  const float* vec;
-  float value[2] = {0.0f, 0.0f};
-  CODA_HD explicit RowBroadcast(const float* v) : vec(v) {}
-  CODA_HD void begin_rows(const RowCtx& ctx) {
-    for (int s = 0; s < ctx.num_slots; ++s) value[s] = ctx.rows[s] < ctx.M ? vec[ctx.rows[s]] : 0.0f;
-  }
-  CODA_HD void visit(Frag& f, const RowCtx&) {
-    for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], value[f.slot]);
+  X x;
+  template <class V>
+  CODA_HD explicit RowBroadcast(const V& v) : x(v) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], x(f, ctx, i));
   }
 };
 
-// Column broadcast: v = op(v, vec[output column]) (bias, gamma, weight-derived vectors).
-template <class Op>
+// Column broadcast: v = op(v, vec[output column]) (bias, gamma: T = bf16 parameters; weight-derived
+// vectors: T = float).
+template <class Op, class T = float>
 struct ColBroadcast : Primitive {
-  const float* vec;
-  CODA_HD explicit ColBroadcast(const float* v) : vec(v) {}
+  const T* vec;
+  CODA_HD explicit ColBroadcast(const T* v) : vec(v) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
     const int c = out_col(f);
-    for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], vec[c + i]);
+    for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], to_float(vec[c + i]));
   }
 };
 
@@ -369,47 +421,14 @@ struct RowReduce : Primitive {
   }
 };
 
-// ---- operands: the second factor of a dot or of a scaled subtraction -------------------------------
-// x(f, ctx, i): the operand at (f.row, out_col(f) + i); begin_rows loads per-row data.
-
-struct Ones {
-  CODA_HD void begin_rows(const RowCtx&) {}
-  CODA_HD float operator()(const Frag&, const RowCtx&, int) const { return 1.0f; }
-};
-
-struct ColVector {
-  const float* vec;
-  CODA_HD void begin_rows(const RowCtx&) {}
-  CODA_HD float operator()(const Frag& f, const RowCtx&, int i) const { return vec[out_col(f) + i]; }
-};
-
-struct RowVector {
-  const float* vec;
-  float value[2] = {0.0f, 0.0f};
-  CODA_HD explicit RowVector(const float* v) : vec(v) {}
-  CODA_HD void begin_rows(const RowCtx& ctx) {
-    for (int s = 0; s < ctx.num_slots; ++s) value[s] = ctx.rows[s] < ctx.M ? vec[ctx.rows[s]] : 0.0f;
-  }
-  CODA_HD float operator()(const Frag& f, const RowCtx&, int) const { return value[f.slot]; }
-};
-
-// A bf16 tile of the output's shape (row stride ld); 0 on rows >= M.
-struct Tile {
-  const __nv_bfloat16* src;
-  int ld;
-  CODA_HD void begin_rows(const RowCtx&) {}
-  CODA_HD float operator()(const Frag& f, const RowCtx& ctx, int i) const {
-    return f.row < ctx.M ? __bfloat162float(src[static_cast<size_t>(f.row) * ld + out_col(f) + i]) : 0.0f;
-  }
-};
-
 // Scaled subtraction: v -= alpha[row] * x (the rank-1 term r mu c of the LayerNorm reparameterization
 // with x a ColVector, the u_hat term of a norm backward with x a Tile).
-template <class X>
+template <class X, class A = RowVector>
 struct SubScaled : Primitive {
-  RowVector alpha;
+  A alpha;
   X x;
-  CODA_HD SubScaled(const float* a, const X& x_) : alpha(a), x(x_) {}
+  template <class AV>
+  CODA_HD SubScaled(const AV& a, const X& x_) : alpha(a), x(x_) {}
   CODA_HD void begin_rows(const RowCtx& ctx) {
     alpha.begin_rows(ctx);
     x.begin_rows(ctx);
