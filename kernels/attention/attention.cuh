@@ -15,6 +15,8 @@
 
 #include <cstddef>
 
+#include "kernels/coda/norm_stats.cuh"
+
 namespace coda {
 
 struct AttentionShape {
@@ -28,8 +30,33 @@ void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* qkv,
 // Scratch the backward needs (fp32 dQ accumulators, row dot products D = rowsum(dO * O), ...).
 size_t attention_backward_workspace_bytes(const AttentionShape& shape);
 
+// The CODA mode's write-out of dqkv (kernels/coda/fused.cuh explains the scaled-gradient convention):
+// what the backward does to each finished packed row dz of dqkv before it is stored.
+//   1. Llama (rope_theta > 0): the inverse RoPE rotation of the q and k heads (adjacent pairs, position
+//      row % T, the forward's angles), giving the gradient of the QKV GEMM's output.
+//   2. Row dots of the QKV GEMM's norm backward on that unscaled dz, row partials with count 1:
+//      dot_z = <dz, z>, z = qkv as the forward stored it (RoPE is orthogonal, so the rotated pair
+//      gives the same dot); LayerNorm (c != nullptr): dot_c = <dz, c>, dot_b = <dz, b'> ([qkv_dim]).
+//   3. LayerNorm (col_a != nullptr): column partials col_b[g, j] = sum of dz (the qkv bias gradient) and
+//      col_a[g, j] = sum of r dz mu over the rows of group g, groups of attention_writeout_group_rows()
+//      rows, ld = qkv_dim.
+//   4. The row scale: dqkv = r dz with r = stats.rstd(row), the norm's rstd.
+struct AttentionWriteout {
+  float rope_theta = 0.0f;
+  prog::NormPartials stats;
+  float* dot_z = nullptr;
+  const float* c = nullptr;
+  const float* b_prime = nullptr;
+  float* dot_c = nullptr;
+  float* dot_b = nullptr;
+  float* col_a = nullptr;
+  float* col_b = nullptr;
+};
+int attention_writeout_group_rows();
+
+// writeout == nullptr: dqkv is the plain gradient (the unfused mode).
 void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
                         const __nv_bfloat16* out, const float* lse, void* workspace, const AttentionShape& shape,
-                        cudaStream_t stream);
+                        cudaStream_t stream, const AttentionWriteout* writeout = nullptr);
 
 }  // namespace coda

@@ -412,8 +412,10 @@ size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                        void* workspace, const AttentionShape& shape, cudaStream_t stream) {
+                        void* workspace, const AttentionShape& shape, cudaStream_t stream,
+                        const AttentionWriteout* writeout) {
   validate_attention_shape(shape);
+  if (writeout != nullptr) throw std::invalid_argument("attention_backward: the CODA write-out is not built yet");
   if (shape.head_dim == 64)
     backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream);
   else

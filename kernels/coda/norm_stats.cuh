@@ -55,6 +55,25 @@ CODA_HD LnBackwardCoefs ln_backward_coefs(const float* dot_c, const float* dot_z
   return {k, k * st.mean - st.rstd * s1 / static_cast<float>(d)};
 }
 
+// The row partials of one norm's input as its producer wrote them: sum (LayerNorm; nullptr for RMSNorm)
+// and sum of squares, each [M, count] (count: the producer's N tiles, gemm_row_partials; 1 from a
+// per-row kernel such as the embedding). d: the row length (d_model); eps: the norm's epsilon.
+struct NormPartials {
+  const float* sum = nullptr;
+  const float* sumsq = nullptr;
+  int count = 0, d = 0;
+  float eps = 0.0f;
+  CODA_HD float rms_rstd(int row) const {
+    return prog::rms_rstd(sumsq + static_cast<size_t>(row) * count, count, d, eps);
+  }
+  CODA_HD LnStats ln_stats(int row) const {
+    const size_t at = static_cast<size_t>(row) * count;
+    return prog::ln_stats(sum + at, sumsq + at, count, d, eps);
+  }
+  // The norm's rstd r, whichever norm it is.
+  CODA_HD float rstd(int row) const { return sum == nullptr ? rms_rstd(row) : ln_stats(row).rstd; }
+};
+
 // Sum over the 16-row groups of a column partial buffer [groups, ld].
 CODA_HD float sum_column_partials(const float* partials, int groups, int ld, int col) {
   float s = 0.0f;

@@ -129,6 +129,11 @@ int gemm_tile_n(GemmTile tile) {
   throw std::invalid_argument("gemm_tile_n: GemmTile::Auto has no width; choose a tile first");
 }
 
+int gemm_row_partials(GemmLayout layout, int M, int N, int K) {
+  const int bn = gemm_tile_n(gemm_choose_tile(layout, M, N, K));
+  return (N + bn - 1) / bn;
+}
+
 const char* gemm_tile_name(GemmTile tile) {
   switch (tile) {
     case GemmTile::Cooperative128x256: return "coop128x256";

@@ -24,6 +24,8 @@ enum class GemmTile { Auto, Cooperative128x256, PingPong128x128 };
 
 GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K);
 int gemm_tile_n(GemmTile tile);  // N tile width: row partials of a program come per tile_n columns
+// N tiles of the tile Auto picks for this shape: the count of a program's row partials ([M, count]).
+int gemm_row_partials(GemmLayout layout, int M, int N, int K);
 const char* gemm_tile_name(GemmTile tile);
 
 void gemm_forward(__nv_bfloat16* Y, const __nv_bfloat16* X, const __nv_bfloat16* W, int M, int N, int K,

@@ -1,0 +1,89 @@
+// The CODA mode's kernels outside the GEMMs (../shared/DESIGN.md, "What stays outside the GEMMs"): each
+// is one pass that the GEMM epilogues cannot absorb, and each also does the small per-row or per-column
+// work of the norms around it, so that no separate norm, loss or bias kernel remains.
+//
+//   embedding_forward   the first layer's input h and its norm statistics (the producer of layer 0's
+//                       partials, as the residual epilogues are for the other layers);
+//   loss_from_partials  the per-row loss from the LM head epilogue's log-sum-exp partials;
+//   dlogits             softmax - onehot, the one elementwise pass over the logits that remains, with the
+//                       row dots of the final norm's backward;
+//   ln_weight_vectors   LayerNorm's weight-derived vectors c = W gamma, b' = W beta + bias (once per step);
+//   add_column_partials finishing column partials (ColDot) into parameter gradients;
+//   ln_wgrad_correction the rank-1 terms of a LayerNormed weight gradient (below).
+//
+// The scaled-gradient convention of the CODA mode: the gradient dz of a GEMM that follows a norm
+// (QKV, gate/up or fc, LM head) is handed on as dz' = r dz, r the norm's rstd per row. Then the weight
+// gradient is a plain GEMM against the saved O = h (.) gamma, which is what that GEMM read:
+//   RMSNorm:   dW = dz^T u = dz^T diag(r) O = dz'^T O;
+//   LayerNorm: u = r O - r mu gamma + beta, so dW = dz'^T O - a gamma^T + b beta^T with the column sums
+//              a = sum over rows of dz' mu and b = sum over rows of dz (b is also the bias gradient);
+// and the dgrad accumulator is D' = dz' W = r du, the form the norm-backward programs take.
+// Row dots for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are always taken on the UNSCALED dz.
+//
+// Partials follow epilogue.cuh: row partials [N, count], column partials [groups, ld] (fp32).
+// Every function enqueues on `stream` and checks its launch.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/coda/norm_stats.cuh"
+
+namespace coda::fused {
+
+using bf16 = __nv_bfloat16;
+
+// h[row] = wte[tokens[row]] (+ wpe[row % T] when wpe != nullptr); O = h (.) gamma (the first QKV GEMM's
+// input); row partials with count 1: sum[row] = sum_j h (when sum != nullptr, LayerNorm) and
+// sumsq[row] = sum_j h^2, computed from the bf16-rounded h (what the backward's norm reads). [B*T, C].
+void embedding_forward(bf16* h, bf16* O, float* sum, float* sumsq, const int32_t* tokens, const bf16* wte,
+                       const bf16* wpe, const bf16* gamma, int B, int T, int C, cudaStream_t stream);
+
+// lse[row] = merge_lse of the row's `count` log-sum-exp partials (the LM head epilogue's), and
+// losses[row] = lse[row] - target_logit[row].
+void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* lse_partials, int count,
+                        const float* target_logit, int N, cudaStream_t stream);
+
+// The head's backward pass over the logits [N, Vp] (in place: dlogits may equal logits):
+//   dz = dloss * (softmax(logits) - onehot(target)) on columns < vocab, 0 on the padded columns;
+//   dot_z[row] = <dz, logits>, and for LayerNorm (c != nullptr) dot_c[row] = <dz, c>,
+//   dot_b[row] = <dz, b'> (c, b' [Vp]: the head's weight-derived vectors) — row partials, count 1;
+//   dlogits = r dz with r = stats.rstd(row) (the scaled-gradient convention above);
+//   LayerNorm (col_a != nullptr): column partials col_a[g, v] = sum of r dz mu and col_b[g, v] = sum of dz
+//   over the rows of group g, groups of dlogits_group_rows() rows, ld = Vp.
+struct DlogitsArgs {
+  bf16* dlogits = nullptr;
+  const bf16* logits = nullptr;
+  const float* lse = nullptr;          // [N], from loss_from_partials
+  const int32_t* targets = nullptr;    // [N]
+  float dloss = 0.0f;                  // gradient of the loss sum per row (grad_scale / N)
+  int N = 0, vocab = 0, Vp = 0;
+  prog::NormPartials stats;            // the final norm's
+  float* dot_z = nullptr;
+  const float* c = nullptr;            // LayerNorm only, from here on
+  const float* b_prime = nullptr;
+  float* dot_c = nullptr;
+  float* dot_b = nullptr;
+  float* col_a = nullptr;
+  float* col_b = nullptr;
+};
+int dlogits_group_rows();
+void dlogits(const DlogitsArgs& args, cudaStream_t stream);
+
+// c[n] = sum_k gamma[k] W[n, k],  b'[n] = sum_k beta[k] W[n, k] + bias[n] (bias may be nullptr), n < rows,
+// W [rows, d] bf16: the LayerNorm weight-derived vectors of the linear layer LN(h) W^T + bias.
+void ln_weight_vectors(float* c, float* b_prime, const bf16* W, int rows, int d, const bf16* gamma,
+                       const bf16* beta, const bf16* bias, cudaStream_t stream);
+
+// grad[j] += scale * sum over g < groups of partials[g * ld + j], j < n (deterministic order).
+void add_column_partials(float* grad, const float* partials, int groups, int ld, int n, float scale,
+                         cudaStream_t stream);
+
+// The LayerNorm terms of a weight gradient computed as dz'^T O (see above): with a = sum_g col_a[g, :],
+// b = sum_g col_b[g, :] ([groups, rows] partials),
+//   dW[n, k] += b[n] beta[k] - a[n] gamma[k]   (dW [rows, d] fp32),   dbias[n] += b[n] (when not nullptr).
+void ln_wgrad_correction(float* dW, float* dbias, const float* col_a, const float* col_b, int groups, int rows,
+                         int d, const bf16* gamma, const bf16* beta, cudaStream_t stream);
+
+}  // namespace coda::fused

@@ -1,0 +1,58 @@
+// The pieces of the CODA mode that both architectures share; see coda_backend.hpp.
+#include "coda_backend.hpp"
+
+#include "kernels/coda/fused.cuh"
+
+namespace coda {
+
+CodaBackend::CodaBackend(const ModelConfig& config, int max_batch, int max_seq_len)
+    : CudaBackend(config, max_batch, max_seq_len),
+      norm1_stats_(config.n_layer),
+      norm2_stats_(config.n_layer) {}
+
+void CodaBackend::plan_buffers(ArenaPlan& plan) {
+  CudaBackend::plan_buffers(plan);
+  const size_t N = static_cast<size_t>(max_batch_) * max_seq_len_;
+  const size_t count = max_row_partials(config_.d_model);
+  const std::string group = "coda norm statistics (partials)";
+  auto reserve_stats = [&](NormStatsBuffers& stats) {
+    if (gpt2_) plan.reserve(&stats.sum, N * count, group);
+    plan.reserve(&stats.sumsq, N * count, group);
+  };
+  for (int l = 0; l < config_.n_layer; ++l) {
+    reserve_stats(norm1_stats_[l]);
+    reserve_stats(norm2_stats_[l]);
+  }
+  reserve_stats(normf_stats_);
+  plan.reserve(&target_logit_, N, "coda loss partials");
+  plan.reserve(&lse_partials_, N * max_row_partials(config_.padded_vocab()), "coda loss partials");
+}
+
+prog::NormPartials CodaBackend::norm_partials(const NormStatsBuffers& stats) const {
+  prog::NormPartials p;
+  p.sum = stats.sum;
+  p.sumsq = stats.sumsq;
+  p.count = stats.count;
+  p.d = config_.d_model;
+  p.eps = config_.norm_eps;
+  return p;
+}
+
+CodaBackend::NormStatsBuffers& CodaBackend::next_norm_stats(int layer) {
+  return layer + 1 < config_.n_layer ? norm1_stats_[layer + 1] : normf_stats_;
+}
+
+void CodaBackend::embedding_forward(int B, int T) {
+  LayerActivations& a = acts_.layers[0];
+  NormStatsBuffers& stats = norm1_stats_[0];
+  fused::embedding_forward(a.input, a.norm1, stats.sum, stats.sumsq, acts_.tokens, weight(layout_.wte),
+                           weight(layout_.wpe), weight(layout_.layers[0].norm1_w), B, T, config_.d_model, stream_);
+  stats.count = 1;
+}
+
+void CodaBackend::loss_forward(int B, int T) {
+  fused::loss_from_partials(acts_.losses, acts_.logits_lse, lse_partials_, lse_count_, target_logit_, B * T,
+                            stream_);
+}
+
+}  // namespace coda
