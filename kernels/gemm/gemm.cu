@@ -66,8 +66,9 @@ int choose_splits(int tiles, int k_blocks, int sms) {
 
 }  // namespace
 
-Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, void* D, const void* A,
-               const void* B, int M, int N, int K, bool accumulate, bool identity_program, cudaStream_t stream) {
+Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D,
+               const void* A, const void* B, int M, int N, int K, bool accumulate, bool identity_program,
+               cudaStream_t stream) {
   require(M > 0 && N > 0 && K > 0, "empty shape M=" + std::to_string(M) + " N=" + std::to_string(N) +
                                        " K=" + std::to_string(K));
   require(N % (8 * cols_per_out) == 0, "N=" + std::to_string(N) + " must be a multiple of " +
@@ -86,7 +87,7 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
       l.b = make_map(B, bf16, 2, N, K, 64, 64, "dgrad W");
   }
   const int out_bytes = out_fp32 ? 4 : 2;
-  const int out_cols = N / cols_per_out;
+  const int out_cols = N * outs_per_col / cols_per_out;
   l.d = make_map(D, out_fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : bf16, out_bytes, out_cols, M, 128 / out_bytes, 64,
                  "output");
 

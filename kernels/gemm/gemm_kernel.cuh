@@ -155,20 +155,28 @@ __device__ __forceinline__ uint64_t operand_descriptor(uint32_t base, int k) {
   return sm90::sw128_descriptor(base + k * 2048, 64 * 128, 1024);
 }
 
-// Two output values (or one after a 2->1 program) into the swizzled staging buffer.
+// kWidth output values (2; 1 after a 2->1 program; 4 after a 1->2 program) into the swizzled staging
+// buffer. out_col is a multiple of kWidth, so the values stay inside one 16-byte chunk of the swizzle.
 template <class OutT, int kWidth>
 __device__ __forceinline__ void stage_values(uint8_t* buf, int row, int out_col, const float* v) {
   uint8_t* dst = buf + sm90::sw128_offset(row, out_col * static_cast<int>(sizeof(OutT)));
   if constexpr (std::is_same_v<OutT, float>) {
-    if constexpr (kWidth == 2)
+    if constexpr (kWidth == 4)
+      *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+    else if constexpr (kWidth == 2)
       *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
     else
       *reinterpret_cast<float*>(dst) = v[0];
   } else {
-    if constexpr (kWidth == 2)
+    if constexpr (kWidth == 4) {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+    } else if constexpr (kWidth == 2) {
       *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v[0], v[1]);
-    else
+    } else {
       *reinterpret_cast<__nv_bfloat16*>(dst) = __float2bfloat16_rn(v[0]);
+    }
   }
 }
 
@@ -177,18 +185,21 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
                                         const Program& program, uint8_t* ring, uint8_t* staging, uint64_t* full,
                                         uint64_t* empty, uint64_t* turn) {
   using OutT = typename Cfg::OutT;
-  constexpr int kRatio = Program::kColsPerOut;               // accumulator columns per output column
-  constexpr int kWidth = kRatio == 1 ? 2 : 1;                // output values per fragment
+  // Output columns per accumulator column: kExpand / kRatio (1, 1/2 after a 2->1 map, 2 after a 1->2 map).
+  constexpr int kRatio = Program::kColsPerOut;
+  constexpr int kExpand = Program::kOutsPerCol;
+  constexpr int kWidth = 2 * kExpand / kRatio;                    // output values per fragment
   constexpr int kOutCols = 128 / static_cast<int>(sizeof(OutT));  // output columns per staged chunk
-  constexpr int kChunkGroups = kOutCols * kRatio / 8;        // 8-column accumulator groups per chunk
-  constexpr int kChunks = Cfg::kBN / (kOutCols * kRatio);
-  static_assert(kRatio == 1 || kRatio == 2, "programs map 2 -> 2 or 2 -> 1");
-  static_assert(Program::kOutsPerCol == 1, "1 -> 2 programs (SwiGluBackward): staging of 4 values not written yet");
-  static_assert(kChunks >= 1 && Cfg::kBN % (kOutCols * kRatio) == 0, "tile must hold whole chunks");
+  constexpr int kChunkAccCols = kOutCols * kRatio / kExpand;      // accumulator columns per chunk
+  constexpr int kChunkGroups = kChunkAccCols / 8;                 // 8-column accumulator groups per chunk
+  constexpr int kChunks = Cfg::kBN / kChunkAccCols;
+  static_assert((kRatio == 1 || kRatio == 2) && (kExpand == 1 || kExpand == 2) && kRatio * kExpand <= 2,
+                "programs map 2 -> 2, 2 -> 1 or 1 -> 2");
+  static_assert(kChunkGroups >= 1 && kChunks >= 1 && Cfg::kBN % kChunkAccCols == 0, "tile must hold whole chunks");
 
   const int warp = t / 32, lane = t % 32;
   const int r0 = warp * 16 + lane / 4;  // row of slot 0 inside a 64-row block; slot 1 is r0 + 8
-  const int out_cols = p.N / kRatio;
+  const int out_cols = p.N * kExpand / kRatio;
   uint8_t* my_staging = staging + cw * 2 * Cfg::kBlockBytes;
   const uint32_t ring_base = sm90::smem_u32(ring);
 
@@ -236,23 +247,34 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       prev_slot = slot;
     }
     if (Cfg::kPingPong && lane == 0) sm90::mbar_arrive(&turn[cw ^ 1]);  // all my stages waited on: your turn
+
+    // The program's per-row loads (row operands, targets) are issued here, so their latency runs under
+    // the last MMAs instead of stalling the first fragment of each 64-row block.
+    const int n0 = u.n_tile * Cfg::kBN;
+    Program progs[2] = {program, program};
+    epi::RowCtx ctxs[2];
+#pragma unroll
+    for (int s = 0; s < Cfg::kSubs; ++s) {
+      const int m_block = u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64;
+      ctxs[s] = epi::RowCtx{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
+      progs[s].begin_rows(ctxs[s]);
+    }
+
     sm90::wgmma_wait<0>();
     if (lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
 #pragma unroll
     for (int s = 0; s < Cfg::kSubs; ++s) sm90::fence_registers(acc[s]);
 
     // ---- epilogue ----
-    const int n0 = u.n_tile * Cfg::kBN;
 #pragma unroll
     for (int s = 0; s < Cfg::kSubs; ++s) {
       const int m_block = u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64;
       if (m_block >= p.M) continue;
-      const epi::RowCtx ctx{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
-      Program prog = program;
-      prog.begin_rows(ctx);
+      const epi::RowCtx& ctx = ctxs[s];
+      Program& prog = progs[s];
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        const int out_col0 = n0 / kRatio + c * kOutCols;
+        const int out_col0 = n0 * kExpand / kRatio + c * kOutCols;
         if (out_col0 >= out_cols) break;
         uint8_t* buf = my_staging + (chunk_count++ & 1) * Cfg::kBlockBytes;
         if (t == 0) sm90::bulk_wait_read<1>();  // the store that last read `buf` is done with it
@@ -265,7 +287,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
           for (int h = 0; h < 2; ++h) {
             epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {acc[s][4 * j + 2 * h], acc[s][4 * j + 2 * h + 1]}};
             prog.visit(f, ctx);
-            stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) / kRatio - c * kOutCols, f.v);
+            stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) * kExpand / kRatio - c * kOutCols, f.v);
           }
         }
         sm90::fence_proxy_async_smem();

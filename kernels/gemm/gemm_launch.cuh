@@ -2,7 +2,8 @@
 // unit (one kernel per layout, tile configuration, output type and program). Include this only from
 // .cu files that launch CODA kernels; everything non-template lives in gemm.cu.
 //
-// Programs that change the output width (2->1 maps) store N / kColsPerOut output columns. Programs with
+// Programs that change the output width store N * kOutsPerCol / kColsPerOut output columns (N / 2 after a
+// 2->1 map, 2 N after a 1->2 map). Programs with
 // partial reductions must see whole tiles, so they never run split over K; accumulate = true adds the
 // program's output into D (TMA reduce-add).
 #pragma once
@@ -23,7 +24,7 @@ struct Launch {
 };
 
 // Validates the shape, builds the three tensor maps and the schedule (gemm.cu).
-Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, void* D, const void* A,
+Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D, const void* A,
                const void* B, int M, int N, int K, bool accumulate, bool identity_program, cudaStream_t stream);
 
 template <class Cfg, class Program>
@@ -51,8 +52,8 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
   constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
   if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K);
-  const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, D, A, B, M, N, K,
-                           accumulate, is_identity<Program>, stream);
+  const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,
+                           A, B, M, N, K, accumulate, is_identity<Program>, stream);
   if (tile == GemmTile::Cooperative128x256)
     launch<Config<256, false, kAKMajor, kBKMajor, OutT>>(l, program, stream);
   else
