@@ -1,7 +1,7 @@
 // GEMM benchmark: the hand-written mainloop (both tile configurations and the automatic choice) against
 // cuBLASLt, side by side in one run, on every GEMM of gpt2-124m (32768 tokens) and llama3.2-1b (16384
-// tokens), forward / dgrad / wgrad (fp32 accumulate). Then the cost of a three-primitive CODA epilogue
-// (row scale + pairwise map + partial row reduction) over the bare mainloop of the same shape.
+// tokens), forward / dgrad / wgrad (fp32 accumulate). Then the cost of CODA epilogue programs over the
+// bare mainloop of the same shape (bench_epilogues).
 //
 // Method: random inputs; several input sets rotated so the timed runs cannot live in L2 (>= 150 MB of
 // operands in the rotation); 5 warm-up rounds; CUDA events around each of 25 runs; the median. The
@@ -9,7 +9,7 @@
 // sustained load the card sits at its power cap and the SM clock drops: timing contenders one after
 // the other favoured whoever ran first by up to 20%). Each shape also compares our output with
 // cuBLAS's (relative error), so a fast wrong kernel cannot pass unnoticed.
-// Usage: bench_gemm [--quick]   (--quick: 10 timed runs)
+// Usage: bench_gemm [--quick] [--epilogues]   (--quick: 10 timed runs; --epilogues: only the programs)
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -195,68 +195,112 @@ void bench_mainloop(CublasLt& cublas) {
   std::printf("worst auto/cublas ratio: %.3f\n\n", worst);
 }
 
-// Bare mainloop vs the same GEMM with a three-primitive program, per tile configuration.
-template <class MakeProgram>
-void bench_epilogue(const char* label, const Shape& s, MakeProgram make, int cols_per_out) {
+// What a program may read besides the accumulators: a row vector (rstd), a partial buffer, and a bf16
+// tile of twice the output width (SwiGLU backward's saved gate/up pairs).
+struct EpilogueInputs {
+  const float* rstd;
+  float* partials;
+  const __nv_bfloat16* gu;
+};
+
+// Bare mainloop vs the same GEMM with a program, per tile configuration, then the tile gemm_choose_tile
+// picks. The program's output may be wider than the bare one (1 -> 2 maps): it gets its own buffer.
+template <GemmLayout kLayout, class MakeProgram>
+void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
+  using Program = decltype(make(EpilogueInputs{}));
+  const size_t out_cols = size_t(s.N) * Program::kOutsPerCol / Program::kColsPerOut;
   Operands ops(s, 2);
+  EpilogueInputs in{};
+  __nv_bfloat16* out = nullptr;
+  __nv_bfloat16* gu = nullptr;
   float* rstd = nullptr;
-  float* partials = nullptr;
   CUDA_CHECK(cudaMalloc(&rstd, s.M * sizeof(float)));
-  CUDA_CHECK(cudaMalloc(&partials, size_t(s.M) * (s.N / 128 + 1) * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&in.partials, size_t(s.M) * (s.N / 128 + 1) * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&gu, size_t(s.M) * 2 * s.N * sizeof(__nv_bfloat16)));
+  CUDA_CHECK(cudaMalloc(&out, size_t(s.M) * out_cols * sizeof(__nv_bfloat16)));
   testing::fill_uniform(rstd, s.M, 77, 0.5f, 2.0f);
-  for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) {
-    const auto program = make(rstd, partials);
-    auto* D = static_cast<__nv_bfloat16*>(ops.D);
-    const auto ms = median_ms({[&](int i) { run_ours(s, ops, i, tile); },
+  testing::fill_uniform(gu, size_t(s.M) * 2 * s.N, 78, -3.0f, 3.0f);
+  in.rstd = rstd;
+  in.gu = gu;
+  const Program program = make(in);
+  double overhead[2] = {0.0, 0.0};
+  const GemmTile tiles[2] = {GemmTile::Cooperative128x256, GemmTile::PingPong128x128};
+  for (int t = 0; t < 2; ++t) {
+    const auto ms = median_ms({[&](int i) { run_ours(s, ops, i, tiles[t]); },
                                [&](int i) {
                                  const int k = i % ops.sets;
-                                 gemm_run<GemmLayout::Forward>(tile, D, ops.A[k], ops.B[k], s.M, s.N, s.K, false,
-                                                               program, nullptr);
+                                 gemm_run<kLayout>(tiles[t], out, ops.A[k], ops.B[k], s.M, s.N, s.K, false, program,
+                                                   nullptr);
                                }});
-    const double bare = ms[0], fused = ms[1];
-    std::printf("%-44s %-16s bare %7.3f ms (%5.1f TF/s)  program %7.3f ms (%5.1f TF/s)  overhead %+5.1f%%  (out cols %d)\n",
-                label, gemm_tile_name(tile), bare, tflops(s, bare), fused, tflops(s, fused),
-                100.0 * (fused / bare - 1.0), s.N / cols_per_out);
+    overhead[t] = 100.0 * (ms[1] / ms[0] - 1.0);
+    std::printf("%-46s %-16s bare %7.3f ms (%5.1f TF/s)  program %7.3f ms (%5.1f TF/s)  overhead %+5.1f%%\n", label,
+                gemm_tile_name(tiles[t]), ms[0], tflops(s, ms[0]), ms[1], tflops(s, ms[1]), overhead[t]);
     std::fflush(stdout);
   }
+  const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K);
+  std::printf("%-46s auto = %-9s overhead %+5.1f%%  (out cols %zu)\n", label, gemm_tile_name(pick),
+              overhead[pick == GemmTile::Cooperative128x256 ? 0 : 1], out_cols);
   CUDA_CHECK(cudaFree(rstd));
-  CUDA_CHECK(cudaFree(partials));
+  CUDA_CHECK(cudaFree(in.partials));
+  CUDA_CHECK(cudaFree(gu));
+  CUDA_CHECK(cudaFree(out));
 }
 
+// The three-primitive programs of issue 4 (row scale + pairwise map + partial row reduction: target
+// <= 5% over the bare mainloop), each primitive of the short-K one alone (where the cost comes from),
+// and SwiGLU backward (1 -> 2, reads the saved gate/up pairs: 3x the bare GEMM's output traffic).
 void bench_epilogues() {
   using namespace coda::epi;
   const Shape gate_up{"llama", "gate_up", GemmLayout::Forward, 16384, 16384, 2048};
-  bench_epilogue("llama gate_up: rstd * acc, SwiGLU, sum sq", gate_up,
-                 [](const float* rstd, float* partials) {
-                   return make_program(RowBroadcast<Mul>(rstd), Pairwise<SwiGlu>(), RowReduce<SumSquares>(partials));
-                 },
-                 2);
   const Shape qkv{"llama", "qkv", GemmLayout::Forward, 16384, 3072, 2048};
-  bench_epilogue("llama qkv: rstd * acc, RoPE, sum sq", qkv,
-                 [](const float* rstd, float* partials) {
-                   return make_program(RowBroadcast<Mul>(rstd), Pairwise<Rope>(Rope{2048, 64, 2560, 13.287712f}),
-                                       RowReduce<SumSquares>(partials));
-                 },
-                 1);
   const Shape fc{"gpt2", "mlp_up", GemmLayout::Forward, 32768, 3072, 768};
-  bench_epilogue("gpt2 mlp_up: rstd * acc, SwiGLU, sum sq", fc,
-                 [](const float* rstd, float* partials) {
-                   return make_program(RowBroadcast<Mul>(rstd), Pairwise<SwiGlu>(), RowReduce<SumSquares>(partials));
-                 },
-                 2);
+  const Shape down_dgrad{"llama", "down", GemmLayout::Dgrad, 16384, 8192, 2048};
+  const Rope rope{2048, 64, 2560, 13.287712f};
+  bench_epilogue<GemmLayout::Forward>("llama gate_up: rstd * acc, SwiGLU, sum sq", gate_up, [](EpilogueInputs in) {
+    return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<SwiGlu>(), RowReduce<SumSquares>(in.partials));
+  });
+  bench_epilogue<GemmLayout::Forward>("llama qkv: rstd * acc, RoPE, sum sq", qkv, [&](EpilogueInputs in) {
+    return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<Rope>(rope), RowReduce<SumSquares>(in.partials));
+  });
+  bench_epilogue<GemmLayout::Forward>("gpt2 mlp_up: rstd * acc, SwiGLU, sum sq", fc, [](EpilogueInputs in) {
+    return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<SwiGlu>(), RowReduce<SumSquares>(in.partials));
+  });
+  bench_epilogue<GemmLayout::Forward>("  gpt2 mlp_up: rstd * acc only", fc,
+                                      [](EpilogueInputs in) { return make_program(RowBroadcast<Mul>(in.rstd)); });
+  bench_epilogue<GemmLayout::Forward>("  gpt2 mlp_up: SwiGLU only", fc,
+                                      [](EpilogueInputs) { return make_program(Pairwise<SwiGlu>()); });
+  bench_epilogue<GemmLayout::Forward>("  gpt2 mlp_up: sum sq only", fc, [](EpilogueInputs in) {
+    return make_program(RowReduce<SumSquares>(in.partials));
+  });
+  bench_epilogue<GemmLayout::Forward>("  llama qkv: RoPE only", qkv,
+                                      [&](EpilogueInputs) { return make_program(Pairwise<Rope>(rope)); });
+  bench_epilogue<GemmLayout::Dgrad>("llama down dgrad: SwiGLU bwd, <dz,z>, rstd", down_dgrad, [](EpilogueInputs in) {
+    return make_program(SwiGluBackward<__nv_bfloat16>(in.gu, 2 * 8192, nullptr, 8192),
+                        RowDot<Tile>(Tile{in.gu, 2 * 8192}, in.partials), RowBroadcast<Mul>(in.rstd));
+  });
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::strcmp(argv[1], "--quick") == 0) g_timed_runs = 10;
+  bool mainloop = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0)
+      g_timed_runs = 10;
+    else if (std::strcmp(argv[i], "--epilogues") == 0)
+      mainloop = false;
+    else {
+      std::fprintf(stderr, "bench_gemm: unknown argument %s (usage: bench_gemm [--quick] [--epilogues])\n", argv[i]);
+      return 2;
+    }
+  }
   try {
     cudaDeviceProp prop{};
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s, %d SMs; median of %d timed runs (TFLOP/s)\n\n", prop.name, prop.multiProcessorCount,
                 g_timed_runs);
     CublasLt cublas;
-    bench_mainloop(cublas);
+    if (mainloop) bench_mainloop(cublas);
     bench_epilogues();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_gemm: %s\n", e.what());

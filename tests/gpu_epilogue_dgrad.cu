@@ -1,0 +1,98 @@
+// Epilogue programs of the dgrad layout inside the GEMM against their host evaluation (harness:
+// tests/epilogue_check.cuh; the forward-layout primitives are in gpu_epilogue.cu): SwiGLU backward, the
+// 1 -> 2 map that doubles the output width (four values per fragment staged), with and without its act
+// store; and the pieces of the norm backwards: a loaded-tile map, column dots per 16-row group, row dots
+// against a tile and a column vector, row broadcasts and scaled subtractions with row-statistic operands.
+// Same shapes with M and N tails, both tiles, bf16 stored / accumulate-stored outputs (and fp32 for the
+// 1 -> 2 map: four fp32 values per fragment).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "tests/epilogue_check.cuh"
+
+namespace {
+
+using namespace coda;
+using namespace coda::epi;
+using namespace coda::test::epilogue;
+
+// Llama's down-projection dgrad: dy -> interleaved (dg, du) [M, 2N] from the saved (g, u), the
+// recomputed activation, <dz, z> partials against (g, u), then the norm's row scale.
+TEST(GpuEpilogue, SwiGluBackwardWritesInterleavedGradients) {
+  SKIP_WITHOUT_GPU();
+  const Problem p(GemmLayout::Dgrad, 1000, 776, 328);
+  const int M = p.M, N = p.N, kCount = 2;
+  Mirrored<bf16> gu(size_t(M) * 2 * N, -3.0f, 3.0f, 11);
+  Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 12);
+  for (GemmTile tile : kTiles)
+    for (Output mode : kOutputs) {
+      SCOPED_TRACE(describe(p, tile, mode));
+      Mirrored<bf16> act(size_t(M) * N);
+      Mirrored<float> dots(size_t(M) * p.tiles_n(tile));
+      auto make = [&](bool dev) {
+        const prog::NormPartials stats{nullptr, sumsq_in.at(dev), kCount, N, 1e-5f};
+        return make_program(SwiGluBackward<bf16>(gu.at(dev), 2 * N, act.at(dev), N),
+                            RowDot<Tile>(Tile{gu.at(dev), 2 * N}, dots.at(dev)),
+                            RowBroadcast<Mul, RowOf<RstdOfPartials>>(RstdOfPartials{stats}));
+      };
+      run_both(p, tile, mode, make, 1e-4);  // __expf and the accumulation order
+      expect_match("act", act, 5e-3);
+      expect_match("<dz, z> partials", dots, 1e-4);
+    }
+}
+
+// Without the act store (the forward saved act): same main output, act memory untouched.
+TEST(GpuEpilogue, SwiGluBackwardWithoutActStore) {
+  SKIP_WITHOUT_GPU();
+  const Problem p(GemmLayout::Dgrad, 936, 784, 328);
+  const int M = p.M, N = p.N;
+  Mirrored<bf16> gu(size_t(M) * 2 * N, -3.0f, 3.0f, 13);
+  for (GemmTile tile : kTiles) {
+    SCOPED_TRACE(describe(p, tile, Output::Bf16));
+    Mirrored<bf16> act(size_t(M) * N);  // poisoned; must stay so
+    auto make = [&](bool dev) { return make_program(SwiGluBackward<bf16>(gu.at(dev), 2 * N, nullptr, N)); };
+    run_both_bf16(p, tile, Output::Bf16, make);
+    const std::vector<float> untouched = act.device.download();
+    size_t written = 0;
+    for (float x : untouched) written += std::isnan(x) ? 0 : 1;
+    EXPECT_EQ(written, 0u) << "act written although act == nullptr";
+  }
+}
+
+// GPT-2's projection dgrad and LayerNorm-backward pieces in one program: GELU backward from the saved
+// pre-activation (tile map), bias-gradient column sums (ColDot<Ones>), a column dot with a row statistic
+// (ColDot<RowOf>), <dz, pre> and <dz, c> row dots, the row scale, the rank-1 subtraction with a row
+// statistic and a column vector, a scaled subtraction of a bf16 tile, and a final GELU.
+TEST(GpuEpilogue, NormBackwardPiecesColumnAndRowDotsScaledSubtractions) {
+  SKIP_WITHOUT_GPU();
+  const Problem p(GemmLayout::Dgrad, 936, 784, 328);
+  const int M = p.M, N = p.N, kCount = 3, groups = prog::column_partial_groups(M);
+  Mirrored<bf16> pre(size_t(M) * N, -3.0f, 3.0f, 14), h(size_t(M) * N, -2.0f, 2.0f, 15);
+  Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 16), c(N, -1.0f, 1.0f, 17), alpha(M, -1.0f, 1.0f, 18);
+  for (GemmTile tile : kTiles)
+    for (Output mode : kBf16Outputs) {
+      SCOPED_TRACE(describe(p, tile, mode));
+      const int tiles_n = p.tiles_n(tile);
+      Mirrored<float> col_b(size_t(groups) * N), col_a(size_t(groups) * N);
+      Mirrored<float> dot_z(size_t(M) * tiles_n), dot_c(size_t(M) * tiles_n);
+      auto make = [&](bool dev) {
+        const RstdOfPartials rstd{prog::NormPartials{nullptr, sumsq_in.at(dev), kCount, N, 1e-5f}};
+        return make_program(TileLoad<GeluGradMul>(pre.at(dev), N), ColDot<Ones>(Ones{}, col_b.at(dev), N),
+                            ColDot<RowOf<RstdOfPartials>>(RowOf<RstdOfPartials>(rstd), col_a.at(dev), N),
+                            RowDot<Tile>(Tile{pre.at(dev), N}, dot_z.at(dev)),
+                            RowDot<ColVector>(ColVector{c.at(dev)}, dot_c.at(dev)),
+                            RowBroadcast<Mul, RowOf<RstdOfPartials>>(rstd),
+                            SubScaled<ColVector, RowOf<RstdOfPartials>>(rstd, ColVector{c.at(dev)}),
+                            SubScaled<Tile>(alpha.at(dev), Tile{h.at(dev), N}), Elementwise<Gelu>());
+      };
+      run_both_bf16(p, tile, mode, make);
+      expect_match("bias-gradient column sums", col_b, 2e-3);
+      expect_match("column dots with rstd", col_a, 2e-3);
+      expect_match("<dz, pre> partials", dot_z, 2e-3);
+      expect_match("<dz, c> partials", dot_c, 2e-3);
+    }
+}
+
+}  // namespace
