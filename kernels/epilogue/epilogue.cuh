@@ -136,10 +136,26 @@ struct SwiGlu {
   }
 };
 
+// The RoPE angle math, shared by the forward (Rope below) and the attention backward's inverse rotation
+// (kernels/attention): pair i of a head turns by position * theta^(-2i / head_dim).
+// Frequency of the pair whose first column is two_i (= 2i), with log2_freq_step = -log2(theta) / head_dim.
+CODA_HD float rope_frequency(float two_i, float log2_freq_step) { return exp2f(two_i * log2_freq_step); }
+// sin and cos of a RoPE angle. On the GPU the angle is reduced to [-pi, pi] (2 pi split in two floats,
+// error ~1e-7 * |angle|) before the hardware sine and cosine.
+CODA_HD void rope_sincos(float angle, float* s, float* c) {
+#if defined(__CUDA_ARCH__)
+  const float turns = rintf(angle * 0.159154943f);
+  const float r = fmaf(-turns, -1.7484555e-7f, fmaf(-turns, 6.28318548f, angle));
+  __sincosf(r, s, c);
+#else
+  *s = std::sin(angle);
+  *c = std::cos(angle);
+#endif
+}
+
 // RoPE on adjacent pairs (2i, 2i+1) of each head of the first rot_cols columns (q and k heads of the
 // packed qkv row); position = row % seq_len, angle = position * theta^(-2i / head_dim). 2 -> 2.
-// head_dim is a power of two. On the GPU the angle is reduced to [-pi, pi] (2 pi split in two floats,
-// error ~1e-7 * |angle|) before the hardware sine and cosine.
+// head_dim is a power of two.
 struct Rope {
   static constexpr int kOut = 2;
   int seq_len, head_dim, rot_cols;
@@ -157,16 +173,8 @@ struct Rope {
       return;
     }
     const float two_i = static_cast<float>(f.col & (head_dim - 1));
-    const float angle = position[f.slot] * exp2f(two_i * log2_freq_step);
     float s, c;
-#if defined(__CUDA_ARCH__)
-    const float turns = rintf(angle * 0.159154943f);
-    const float r = fmaf(-turns, -1.7484555e-7f, fmaf(-turns, 6.28318548f, angle));
-    __sincosf(r, &s, &c);
-#else
-    s = std::sin(angle);
-    c = std::cos(angle);
-#endif
+    rope_sincos(position[f.slot] * rope_frequency(two_i, log2_freq_step), &s, &c);
     out[0] = a * c - b * s;
     out[1] = a * s + b * c;
   }
