@@ -18,6 +18,18 @@
 // next product. The Q/dO tiles of the next step are loaded (cp.async, double-buffered) while the
 // current one computes. Key blocks are scheduled by increasing key index (most query blocks first).
 //
+// The CODA write-out (writeout != nullptr; the contract and the math are in attention.cuh and
+// kernels/coda/fused.cuh) replaces the dQ conversion by a per-row pass that finishes whole packed rows of
+// dqkv: one block = one group of kGroupRows consecutive token rows (the column-partial group), its threads
+// over 8-column chunks of the row, each chunk walked down the group's rows. Per element: dz = scale * dQ
+// accumulator (q columns) or dk, dv as the main kernel stored them (bf16, read back in place); the row
+// dot <dz, z> against the stored qkv (taken BEFORE the inverse rotation: the rotation is orthogonal, so
+// <R^T g, R^T z> = <g, z> with no need to rotate z); the inverse RoPE rotation of the q and k pairs (the
+// forward's angle math, epilogue.cuh); the LayerNorm dots <dz, c>, <dz, b'> and the column partials
+// (sum dz, sum r mu dz) kept per thread over the group's rows, so each group's partial row is written once
+// without atomics; finally dqkv = r dz in bf16. Row dots are summed per thread over its chunks, then over
+// the warp (shuffles), then over the warps in a fixed order: deterministic, count 1.
+//
 // Tails: tiles are loaded with zero fill past row T. Zero keys past T are masked by causality for every
 // real query; query rows past T have zero dO and D, so they contribute nothing to dK, dV, and their dQ
 // is never stored.
@@ -374,6 +386,181 @@ __global__ void attention_backward_epilogue_kernel(bf16* dqkv, const float* dq_a
   *reinterpret_cast<uint4*>(dqkv + bt * (static_cast<size_t>(n_head + 2 * n_kv_head) * HD) + col) = packed;
 }
 
+// ---- the CODA write-out --------------------------------------------------------------------------
+constexpr int kGroupRows = 16;           // rows per block = rows per column-partial group
+constexpr int kWriteoutMaxThreads = 256;
+
+__device__ __forceinline__ void unpack_bf16x8(float (&v)[8], const bf16* src) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void load_float8(float (&v)[8], const float* src) {
+  const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+
+__device__ __forceinline__ void store_float8(float* dst, const float (&v)[8]) {
+  reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// One block per group of kGroupRows rows of dqkv [N = B*T, qkv_dim] (header comment). kDots: 1 (<dz, z>)
+// or 3 (LayerNorm: also <dz, c>, <dz, b'>). The q and k heads (columns < rot_cols) are inverse-rotated.
+template <int HD, int kDots>
+__global__ void __launch_bounds__(kWriteoutMaxThreads)
+    attention_backward_writeout_kernel(bf16* __restrict__ dqkv, const float* __restrict__ dq_accum,
+                                       const bf16* __restrict__ qkv, const AttentionWriteout w, int N, int T,
+                                       int n_head, int n_kv_head, float scale, int rot_cols, float log2_freq_step) {
+  __shared__ float s_rstd[kGroupRows], s_rstd_mean[kGroupRows];
+  __shared__ float s_dots[kWriteoutMaxThreads / 32][kGroupRows * kDots];
+  const int row0 = blockIdx.x * kGroupRows;
+  if (threadIdx.x < kGroupRows) {
+    const int row = row0 + threadIdx.x;
+    float rstd = 0.f, rstd_mean = 0.f;
+    if (row < N) {
+      if (w.stats.sum != nullptr) {
+        const prog::LnStats st = w.stats.ln_stats(row);
+        rstd = st.rstd, rstd_mean = st.rstd * st.mean;
+      } else {
+        rstd = w.stats.rms_rstd(row);
+      }
+    }
+    s_rstd[threadIdx.x] = rstd, s_rstd_mean[threadIdx.x] = rstd_mean;
+  }
+  __syncthreads();
+
+  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, q_cols = n_head * HD;
+  float dots[kGroupRows][kDots] = {};
+  for (int chunk = threadIdx.x; chunk < qkv_dim / 8; chunk += blockDim.x) {
+    const int col = chunk * 8, head = col / HD, d = col % HD;
+    const bool rotate = col < rot_cols;
+    float freq[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) freq[p] = epi::rope_turns_per_position(static_cast<float>(d + 2 * p), log2_freq_step);
+    float c[8], b_prime[8];
+    if constexpr (kDots == 3) {
+      load_float8(c, w.c + col);
+      load_float8(b_prime, w.b_prime + col);
+    }
+    float col_a[8] = {}, col_b[8] = {};
+#pragma unroll
+    for (int r = 0; r < kGroupRows; ++r) {
+      const int row = row0 + r;
+      if (row < N) {
+        const int b = row / T, t = row % T;
+        bf16* dst = dqkv + static_cast<size_t>(row) * qkv_dim + col;
+        float dz[8], z[8];
+        if (col < q_cols) {
+          load_float8(dz, dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dz[i] *= scale;
+        } else {
+          unpack_bf16x8(dz, dst);
+        }
+        unpack_bf16x8(z, qkv + static_cast<size_t>(row) * qkv_dim + col);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dots[r][0] += dz[i] * z[i];
+        if (rotate) {
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            float sin_a, cos_a;
+            epi::sincos_turns(static_cast<float>(t) * freq[p], &sin_a, &cos_a);
+            const float x0 = dz[2 * p], x1 = dz[2 * p + 1];
+            dz[2 * p] = x0 * cos_a + x1 * sin_a;
+            dz[2 * p + 1] = x1 * cos_a - x0 * sin_a;
+          }
+        }
+        if constexpr (kDots == 3) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            dots[r][1] += dz[i] * c[i];
+            dots[r][2] += dz[i] * b_prime[i];
+          }
+        }
+        if (w.col_a != nullptr) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            col_b[i] += dz[i];
+            col_a[i] += s_rstd_mean[r] * dz[i];
+          }
+        }
+        const float rs = s_rstd[r];
+        *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(rs * dz[0], rs * dz[1]), pack_bf16(rs * dz[2], rs * dz[3]),
+                                                    pack_bf16(rs * dz[4], rs * dz[5]), pack_bf16(rs * dz[6], rs * dz[7]));
+      }
+    }
+    if (w.col_a != nullptr) {
+      store_float8(w.col_a + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_a);
+      store_float8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
+    }
+  }
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < kGroupRows; ++r)
+#pragma unroll
+    for (int k = 0; k < kDots; ++k) {
+      float v = dots[r][k];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == 0) s_dots[warp][r * kDots + k] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kGroupRows * kDots; i += blockDim.x) {
+    const int row = row0 + i / kDots, k = i % kDots;
+    float sum = 0.f;
+    for (int wp = 0; wp < static_cast<int>(blockDim.x / 32); ++wp) sum += s_dots[wp][i];
+    if (row < N) (k == 0 ? w.dot_z : k == 1 ? w.dot_c : w.dot_b)[row] = sum;
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void validate_writeout(const AttentionWriteout& w) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("attention_backward: AttentionWriteout " + what);
+  };
+  if (!(w.rope_theta >= 0.0f) || std::isinf(w.rope_theta))
+    fail("rope_theta=" + std::to_string(w.rope_theta) + " (0: no RoPE, > 0: RoPE)");
+  if (w.stats.sumsq == nullptr || w.stats.count <= 0 || w.stats.d <= 0)
+    fail("stats: sumsq, count=" + std::to_string(w.stats.count) + " and d=" + std::to_string(w.stats.d) +
+         " are required");
+  if (w.dot_z == nullptr) fail("dot_z is required");
+  const bool ln_dots = w.c != nullptr;
+  if (ln_dots != (w.b_prime != nullptr) || ln_dots != (w.dot_c != nullptr) || ln_dots != (w.dot_b != nullptr))
+    fail("c, b_prime, dot_c, dot_b: all or none");
+  if ((w.col_a != nullptr) != (w.col_b != nullptr)) fail("col_a, col_b: both or none");
+  if (w.col_a != nullptr && w.stats.sum == nullptr) fail("col_a needs stats.sum (the LayerNorm mean)");
+  if (!aligned16(w.c) || !aligned16(w.b_prime) || !aligned16(w.col_a) || !aligned16(w.col_b))
+    fail("c, b_prime, col_a, col_b must be 16-byte aligned");
+}
+
+template <int HD>
+void launch_writeout(bf16* dqkv, const float* dq_accum, const bf16* qkv, const AttentionWriteout& w,
+                     const AttentionShape& s, float scale, cudaStream_t stream) {
+  const int chunks = s.qkv_dim() / 8;
+  const int per_thread = (chunks + kWriteoutMaxThreads - 1) / kWriteoutMaxThreads;
+  const int threads = ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
+  const int rows = s.B * s.T, blocks = (rows + kGroupRows - 1) / kGroupRows;
+  const bool rope = w.rope_theta > 0.0f;
+  const int rot_cols = rope ? (s.n_head + s.n_kv_head) * HD : 0;
+  const float log2_freq_step = rope ? -std::log2(w.rope_theta) / static_cast<float>(HD) : 0.0f;
+  if (w.c != nullptr)
+    attention_backward_writeout_kernel<HD, 3><<<blocks, threads, 0, stream>>>(
+        dqkv, dq_accum, qkv, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
+  else
+    attention_backward_writeout_kernel<HD, 1><<<blocks, threads, 0, stream>>>(
+        dqkv, dq_accum, qkv, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
+  CUDA_CHECK_LAUNCH();
+}
+
 constexpr size_t kWorkspaceAlign = 256;
 size_t dq_accum_bytes(const AttentionShape& s) {
   const size_t bytes = static_cast<size_t>(s.B) * s.n_head * s.T * s.head_dim * sizeof(float);
@@ -382,7 +569,7 @@ size_t dq_accum_bytes(const AttentionShape& s) {
 
 template <int HD>
 void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, void* workspace,
-              const AttentionShape& s, cudaStream_t stream) {
+              const AttentionShape& s, cudaStream_t stream, const AttentionWriteout* writeout) {
   float* dq_accum = static_cast<float*>(workspace);
   float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
   const size_t rows = static_cast<size_t>(s.B) * s.T * s.n_head;
@@ -398,6 +585,10 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
                                                                    s.n_kv_head, scale * kLog2e);
   CUDA_CHECK_LAUNCH();
 
+  if (writeout != nullptr) {
+    launch_writeout<HD>(dqkv, dq_accum, qkv, *writeout, s, scale, stream);
+    return;
+  }
   const size_t chunks = rows * HD / 8;
   attention_backward_epilogue_kernel<HD><<<static_cast<unsigned>((chunks + 255) / 256), 256, 0, stream>>>(
       dqkv, dq_accum, s.B, s.T, s.n_head, s.n_kv_head, scale);
@@ -415,11 +606,13 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
                         void* workspace, const AttentionShape& shape, cudaStream_t stream,
                         const AttentionWriteout* writeout) {
   validate_attention_shape(shape);
-  if (writeout != nullptr) throw std::invalid_argument("attention_backward: the CODA write-out is not built yet");
+  if (writeout != nullptr) validate_writeout(*writeout);
   if (shape.head_dim == 64)
-    backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream);
+    backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout);
   else
-    backward<128>(dqkv, dout, qkv, out, lse, workspace, shape, stream);
+    backward<128>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout);
 }
+
+int attention_writeout_group_rows() { return kGroupRows; }
 
 }  // namespace coda

@@ -156,12 +156,24 @@ struct SwiGlu {
   }
 };
 
+// The RoPE angle math, shared by the forward (Rope below) and the attention backward's inverse rotation
+// (kernels/attention): pair i of a head turns by position * theta^(-2i / head_dim). Angles are kept in
+// turns (angle / 2 pi: the 1 / 2 pi folds into the exponent of the frequency) and reduced to
+// [-1/2, 1/2] turn by subtracting the nearest integer before the hardware sine and cosine. Angle error
+// ~2e-7 * |angle| on the GPU (the hardware exp2; 4e-4 rad at position 2047), far below bf16's 4e-3.
+// Turns per position of the pair whose first column is two_i (= 2i); log2_freq_step = -log2(theta) / head_dim.
+CODA_HD float rope_turns_per_position(float two_i, float log2_freq_step) {
+  const float kLog2TwoPi = 2.65149613f;
+  return fast_exp2(fmaf(two_i, log2_freq_step, -kLog2TwoPi));
+}
+CODA_HD void sincos_turns(float turns, float* s, float* c) {
+  const float kTwoPi = 6.28318531f;
+  fast_sincos(kTwoPi * (turns - rintf(turns)), s, c);
+}
+
 // RoPE on adjacent pairs (2i, 2i+1) of each head of the first rot_cols columns (q and k heads of the
 // packed qkv row); position = row % seq_len, angle = position * theta^(-2i / head_dim). 2 -> 2.
-// head_dim is a power of two. The angle is taken in turns (angle / 2 pi: the 1 / 2 pi folds into the
-// exponent of the frequency), reduced to [-1/2, 1/2] turn by subtracting the nearest integer, and only
-// then scaled to radians for the hardware sine and cosine. Angle error ~2e-7 * |angle| on the GPU (the
-// hardware exp2; 4e-4 rad at position 2047), far below bf16's 4e-3. Columns >= rot_cols (v heads) are computed too and then replaced by the
+// head_dim is a power of two. Columns >= rot_cols (v heads) are computed too and then replaced by the
 // input: a select instead of a branch, so the compiler can interleave the fragments' dependency
 // chains (with a branch per fragment the RoPE epilogue ran one chain at a time and cost +20-30%).
 struct Rope {
@@ -175,11 +187,9 @@ struct Rope {
     log2_freq_step = -log2_theta / static_cast<float>(head_dim);
   }
   CODA_HD void operator()(const Frag& f, float a, float b, float* out) const {
-    const float kLog2TwoPi = 2.65149613f, kTwoPi = 6.28318531f;
     const float two_i = static_cast<float>(f.col & (head_dim - 1));
-    const float turns = position[f.slot] * fast_exp2(fmaf(two_i, log2_freq_step, -kLog2TwoPi));
     float s, c;
-    fast_sincos(kTwoPi * (turns - rintf(turns)), &s, &c);
+    sincos_turns(position[f.slot] * rope_turns_per_position(two_i, log2_freq_step), &s, &c);
     const bool rotate = f.col < rot_cols;
     out[0] = rotate ? a * c - b * s : a;
     out[1] = rotate ? a * s + b * c : b;
