@@ -1,0 +1,152 @@
+// Finishing column partials ([groups, ld] fp32, one row per row group of their producer: a GEMM
+// epilogue's ColDot, the dlogits pass, the attention write-out) into parameter gradients:
+//   add_column_partials   grad[j] += scale * sum_g partials[g, j]  (norm gammas and betas, biases);
+//   ln_wgrad_correction   dW[n, k] += b[n] beta[k] - a[n] gamma[k], a and b the column sums of col_a and
+//                         col_b (the LayerNorm terms of a weight gradient computed as dz'^T O, fused.cuh),
+//                         and dbias[n] += b[n].
+//
+// A block owns a tile of 32 columns (8 threads of one 16-byte load each per partial row, so a warp reads
+// four 128-byte rows) and 32 partial rows at a time. The partial rows may be many (a GEMM's 16-row
+// groups: N / 16, e.g. 2048) over few columns (d_model), so one block per tile would leave most of the
+// GPU idle: the groups are split over the blocks of a thread-block cluster (up to 8, about 256 groups
+// each), each block sums its share into shared memory in a fixed order, and the totals are the sum of the
+// cluster's shares in rank order (fused_cluster.cuh). Deterministic, no atomics, no workspace.
+// In ln_wgrad_correction every block of the cluster reads the tile's totals a, b and then updates its
+// share of the tile's 32 rows of dW (rows rank, rank + cluster size, ...), 16 bytes at a time.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/coda/fused.cuh"
+#include "kernels/coda/fused_cluster.cuh"
+#include "kernels/cuda_check.cuh"
+#include "kernels/unfused/vec.cuh"
+
+namespace coda::fused {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileCols = 32;
+constexpr int kQuads = kTileCols / 4;           // threads per partial row (one float4 each)
+constexpr int kRowLanes = kThreads / kQuads;    // partial rows read at a time
+constexpr int kGroupsPerBlock = 256;            // the share of the groups that makes a cluster grow
+
+// Shared memory of the tile's column sums of kArrays partial buffers: sums[a][t] is this block's share
+// of column col0 + t, summed over its groups.
+template <int kArrays>
+struct TileSums {
+  float lanes[kArrays][kRowLanes][kTileCols + 1];
+  float sums[kArrays][kTileCols];
+};
+
+// This block's share of the column sums of the tile [col0, col0 + 32) (columns < n) of kArrays partial
+// buffers [groups, ld], into tile.sums; ends with the cluster barrier that publishes them.
+template <int kArrays>
+__device__ void tile_column_sums(TileSums<kArrays>& tile, const float* const (&partials)[kArrays], int groups, int ld,
+                                 int col0, int n) {
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int share = (groups + cluster.num_blocks() - 1) / cluster.num_blocks();
+  const int g_begin = static_cast<int>(cluster.block_rank()) * share, g_end = min(groups, g_begin + share);
+  const int quad = threadIdx.x % kQuads, lane = threadIdx.x / kQuads, col = col0 + 4 * quad;
+  float4 acc[kArrays];
+#pragma unroll
+  for (int a = 0; a < kArrays; ++a) acc[a] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (col < n) {
+#pragma unroll 4
+    for (int g = g_begin + lane; g < g_end; g += kRowLanes)
+#pragma unroll
+      for (int a = 0; a < kArrays; ++a) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(partials[a] + static_cast<size_t>(g) * ld + col));
+        acc[a].x += v.x, acc[a].y += v.y, acc[a].z += v.z, acc[a].w += v.w;
+      }
+  }
+#pragma unroll
+  for (int a = 0; a < kArrays; ++a) {
+    float* dst = &tile.lanes[a][lane][4 * quad];
+    dst[0] = acc[a].x, dst[1] = acc[a].y, dst[2] = acc[a].z, dst[3] = acc[a].w;
+  }
+  __syncthreads();
+  if (threadIdx.x < kTileCols)
+#pragma unroll
+    for (int a = 0; a < kArrays; ++a) {
+      float sum = 0.0f;
+      for (int l = 0; l < kRowLanes; ++l) sum += tile.lanes[a][l][threadIdx.x];
+      tile.sums[a][threadIdx.x] = sum;
+    }
+  cluster.sync();
+}
+
+__global__ void __launch_bounds__(kThreads) add_column_partials_kernel(float* grad, const float* partials, int groups,
+                                                                       int ld, int n, float scale) {
+  __shared__ TileSums<1> tile;
+  const int col0 = blockIdx.y * kTileCols;
+  tile_column_sums<1>(tile, {partials}, groups, ld, col0, n);
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  if (cluster.block_rank() == 0 && threadIdx.x < kTileCols && col0 + threadIdx.x < n)
+    grad[col0 + threadIdx.x] += scale * sum_over_cluster(&tile.sums[0][threadIdx.x]);
+  cluster.sync();
+}
+
+__global__ void __launch_bounds__(kThreads) ln_wgrad_correction_kernel(float* dW, float* dbias, const float* col_a,
+                                                                       const float* col_b, int groups, int rows, int d,
+                                                                       const bf16* gamma, const bf16* beta) {
+  __shared__ TileSums<2> tile;
+  __shared__ float a[kTileCols], b[kTileCols];
+  const int n0 = blockIdx.y * kTileCols;
+  tile_column_sums<2>(tile, {col_a, col_b}, groups, rows, n0, rows);
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  if (threadIdx.x < kTileCols) {
+    a[threadIdx.x] = sum_over_cluster(&tile.sums[0][threadIdx.x]);
+    b[threadIdx.x] = sum_over_cluster(&tile.sums[1][threadIdx.x]);
+    if (dbias != nullptr && cluster.block_rank() == 0 && n0 + threadIdx.x < rows) dbias[n0 + threadIdx.x] += b[threadIdx.x];
+  }
+  cluster.sync();  // the cluster's sums are read; this also makes a, b visible to the whole block
+
+  const int blocks = cluster.num_blocks(), rank = cluster.block_rank();
+  const int my_rows = (min(kTileCols, rows - n0) - rank + blocks - 1) / blocks, packets = d / 8;
+  for (int i = threadIdx.x; i < my_rows * packets; i += kThreads) {
+    const int t = rank + (i / packets) * blocks, k = 8 * (i % packets);
+    float* dst = dW + static_cast<size_t>(n0 + t) * d + k;
+    float w[8], g[8], be[8];
+    unfused::load_f32x8(w, dst);
+    unfused::load_bf16x8(g, gamma + k);
+    unfused::load_bf16x8(be, beta + k);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] += b[t] * be[j] - a[t] * g[j];
+    unfused::store_f32x8(dst, w);
+  }
+}
+
+// Blocks per cluster for `groups` partial rows: about kGroupsPerBlock each, at most kMaxClusterBlocks.
+int cluster_blocks_for(int groups) {
+  return std::clamp((groups + kGroupsPerBlock - 1) / kGroupsPerBlock, 1, kMaxClusterBlocks);
+}
+
+void require_float4_columns(const char* what, int n, int ld) {
+  if (n % 4 != 0 || ld % 4 != 0 || n > ld)
+    throw std::invalid_argument(std::string(what) + ": columns " + std::to_string(n) + " and leading dimension " +
+                                std::to_string(ld) + " must be multiples of 4 with columns <= leading dimension");
+}
+
+}  // namespace
+
+void add_column_partials(float* grad, const float* partials, int groups, int ld, int n, float scale,
+                         cudaStream_t stream) {
+  require_float4_columns("fused::add_column_partials", n, ld);
+  if (groups <= 0 || n == 0) return;
+  launch_clustered(add_column_partials_kernel, cluster_blocks_for(groups), (n + kTileCols - 1) / kTileCols, kThreads,
+                   stream, grad, partials, groups, ld, n, scale);
+}
+
+void ln_wgrad_correction(float* dW, float* dbias, const float* col_a, const float* col_b, int groups, int rows,
+                         int d, const bf16* gamma, const bf16* beta, cudaStream_t stream) {
+  require_float4_columns("fused::ln_wgrad_correction", rows, rows);
+  if (d % 8 != 0)
+    throw std::invalid_argument("fused::ln_wgrad_correction: d = " + std::to_string(d) + " must be a multiple of 8");
+  if (groups <= 0 || rows == 0) return;
+  launch_clustered(ln_wgrad_correction_kernel, cluster_blocks_for(groups), (rows + kTileCols - 1) / kTileCols,
+                   kThreads, stream, dW, dbias, col_a, col_b, groups, rows, d, gamma, beta);
+}
+
+}  // namespace coda::fused

@@ -1,0 +1,213 @@
+// The LM head's backward pass over the logits: dz = dloss (softmax - onehot), written back scaled as
+// dz' = r dz, with the row dots and (LayerNorm) the column partials the final norm's backward needs, in
+// one read and one write of the [N, Vp] logits — the largest tensor of a step, so this pass must stream
+// at memory bandwidth.
+//
+// Work split: a block owns a group of kGroupRows rows and a slice of the columns, and walks its rows
+// top to bottom. Each thread owns a few 16-byte packets of the slice (the same columns in every row), so
+//  * the column partials of LayerNorm (col_a = sum of r dz mu, col_b = sum of dz over the group's rows)
+//    accumulate in the thread's registers and are written once per group: [N / kGroupRows, Vp] fp32,
+//    small next to the logits (128 rows per group: 1/64 of the logits' bytes per array);
+//  * the row dots (<dz, z>, and for LayerNorm <dz, c>, <dz, b'>) are summed over the warp with shuffles
+//    and then over the block's warps in shared memory; the slices of one row group form a thread-block
+//    cluster, and each row's total is the sum of the slices' values in rank order, read through
+//    distributed shared memory (fused_cluster.cuh). So the dots are complete rows (count 1) and
+//    deterministic, with no atomics and no workspace.
+// The next row's packets are loaded before the current row is processed, so every thread keeps two rows'
+// loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once, and
+// c, b' (fp32 [Vp], re-read for every row) stay in L1. The per-row scalars (lse, target, r, mu) are
+// staged in shared memory once per block.
+// The slice count (the cluster size, at most 8) is chosen so that the slices' packets fill the threads'
+// packet slots with the least waste; RMSNorm (no column accumulators) gives each thread four packets per
+// row, LayerNorm two, to keep register use low enough for several blocks per SM.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/coda/fused.cuh"
+#include "kernels/coda/fused_cluster.cuh"
+#include "kernels/cuda_check.cuh"
+#include "kernels/unfused/vec.cuh"
+
+namespace coda::fused {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kGroupRows = 128;
+
+template <bool kLayerNorm>
+struct DlogitsShape {
+  static constexpr int kDots = kLayerNorm ? 3 : 1;     // dot_z (, dot_c, dot_b)
+  static constexpr int kPackets = kLayerNorm ? 2 : 4;  // packets per thread and row
+  static constexpr int kChunk = kPackets * kThreads;   // packets a block covers per pass over its rows
+  static constexpr int kMinBlocks = kLayerNorm ? 2 : 4;  // per SM: enough loads in flight to stream
+};
+
+template <bool kLayerNorm>
+__global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks) dlogits_kernel(DlogitsArgs args, int slice_packets) {
+  using Shape = DlogitsShape<kLayerNorm>;
+  constexpr int kDots = Shape::kDots, kPackets = Shape::kPackets;
+  __shared__ float row_lse[kGroupRows], row_rstd[kGroupRows], row_mean[kGroupRows];
+  __shared__ int row_target[kGroupRows];
+  __shared__ float warp_dots[kDots][kWarps][kGroupRows];
+  __shared__ float block_dots[kDots][kGroupRows];
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int group = blockIdx.y, row0 = group * kGroupRows, rows = min(kGroupRows, args.N - row0);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    const int row = row0 + r;
+    row_lse[r] = args.lse[row];
+    row_target[r] = args.targets[row];
+    if constexpr (kLayerNorm) {
+      const prog::LnStats st = args.stats.ln_stats(row);
+      row_rstd[r] = st.rstd;
+      row_mean[r] = st.mean;
+    } else {
+      row_rstd[r] = args.stats.rms_rstd(row);
+    }
+  }
+  for (int i = threadIdx.x; i < kDots * kWarps * kGroupRows; i += kThreads) (&warp_dots[0][0][0])[i] = 0.0f;
+  __syncthreads();
+
+  const int begin = static_cast<int>(cluster.block_rank()) * slice_packets;
+  const int end = min(args.Vp / 8, begin + slice_packets);
+  const float* dot_vectors[2] = {args.c, args.b_prime};
+  for (int chunk = begin; chunk < end; chunk += Shape::kChunk) {
+    int packet[kPackets];
+    bool valid[kPackets];
+#pragma unroll
+    for (int k = 0; k < kPackets; ++k) {
+      packet[k] = chunk + threadIdx.x + k * kThreads;
+      valid[k] = packet[k] < end;
+    }
+    float col_a[kPackets][8] = {}, col_b[kPackets][8] = {};
+    uint4 next[kPackets];
+    auto load_row = [&](int r) {
+      const uint4* src = reinterpret_cast<const uint4*>(args.logits + static_cast<size_t>(row0 + r) * args.Vp);
+#pragma unroll
+      for (int k = 0; k < kPackets; ++k)
+        if (valid[k]) next[k] = __ldcs(src + packet[k]);
+    };
+    load_row(0);
+    for (int r = 0; r < rows; ++r) {
+      uint4 current[kPackets];
+#pragma unroll
+      for (int k = 0; k < kPackets; ++k) current[k] = next[k];
+      if (r + 1 < rows) load_row(r + 1);
+      const float lse = row_lse[r], rstd = row_rstd[r], scaled_mean = kLayerNorm ? rstd * row_mean[r] : 0.0f;
+      const int target = row_target[r];
+      uint4* dst = reinterpret_cast<uint4*>(args.dlogits + static_cast<size_t>(row0 + r) * args.Vp);
+      float dots[kDots] = {};
+#pragma unroll
+      for (int k = 0; k < kPackets; ++k) {
+        if (!valid[k]) continue;
+        const int col0 = 8 * packet[k];
+        float z[8], dz[8], weights[2][8];
+        unfused::unpack_bf16x8(z, current[k]);
+        if constexpr (kLayerNorm) {
+#pragma unroll
+          for (int v = 0; v < 2; ++v) unfused::load_f32x8(weights[v], dot_vectors[v] + col0);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int col = col0 + j;
+          dz[j] = col < args.vocab ? args.dloss * (epi::fast_exp(z[j] - lse) - (col == target ? 1.0f : 0.0f)) : 0.0f;
+          dots[0] += dz[j] * z[j];
+          if constexpr (kLayerNorm) {
+            dots[1] += dz[j] * weights[0][j];
+            dots[2] += dz[j] * weights[1][j];
+            col_a[k][j] += dz[j] * scaled_mean;
+            col_b[k][j] += dz[j];
+          }
+          dz[j] *= rstd;
+        }
+        uint4 out;
+        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(dz[2 * i], dz[2 * i + 1]);
+        __stcs(dst + packet[k], out);
+      }
+#pragma unroll
+      for (int d = 0; d < kDots; ++d) {
+        const float total = unfused::warp_sum(dots[d]);
+        if (lane == 0) warp_dots[d][warp][r] += total;
+      }
+    }
+    if constexpr (kLayerNorm) {
+      const size_t at = static_cast<size_t>(group) * args.Vp;
+#pragma unroll
+      for (int k = 0; k < kPackets; ++k)
+        if (valid[k]) {
+          unfused::store_f32x8(args.col_a + at + 8 * packet[k], col_a[k]);
+          unfused::store_f32x8(args.col_b + at + 8 * packet[k], col_b[k]);
+        }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kDots * rows; i += kThreads) {
+    const int d = i / rows, r = i % rows;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += warp_dots[d][w][r];
+    block_dots[d][r] = sum;
+  }
+  cluster.sync();  // every slice's block_dots are complete
+  const int share = (rows + cluster.num_blocks() - 1) / cluster.num_blocks();
+  const int first = static_cast<int>(cluster.block_rank()) * share;
+  for (int i = threadIdx.x; i < kDots * share; i += kThreads) {
+    const int d = i / share, r = first + i % share;
+    float* out = d == 0 ? args.dot_z : d == 1 ? args.dot_c : args.dot_b;
+    if (r < rows) out[row0 + r] = sum_over_cluster(&block_dots[d][r]);
+  }
+  cluster.sync();  // the other slices have read this block's block_dots
+}
+
+// Cluster size (column slices per row group) with the fewest idle packet slots; ties go to more slices.
+int dlogits_slices(int packets, int chunk) {
+  int best = 1;
+  long best_waste = -1;
+  for (int slices = 1; slices <= kMaxClusterBlocks; ++slices) {
+    const int slice = (packets + slices - 1) / slices;
+    const long waste = static_cast<long>(slices) * ((slice + chunk - 1) / chunk) * chunk - packets;
+    if (best_waste < 0 || waste <= best_waste) best = slices, best_waste = waste;
+  }
+  return best;
+}
+
+template <bool kLayerNorm>
+void launch_dlogits(const DlogitsArgs& args, cudaStream_t stream) {
+  const int packets = args.Vp / 8;
+  const int slices = dlogits_slices(packets, DlogitsShape<kLayerNorm>::kChunk);
+  const int slice_packets = (packets + slices - 1) / slices;
+  launch_clustered(dlogits_kernel<kLayerNorm>, slices, (args.N + kGroupRows - 1) / kGroupRows, kThreads, stream, args,
+                   slice_packets);
+}
+
+}  // namespace
+
+int dlogits_group_rows() { return kGroupRows; }
+
+void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
+  if (args.Vp % 8 != 0 || args.vocab < 1 || args.vocab > args.Vp)
+    throw std::invalid_argument("fused::dlogits: Vp = " + std::to_string(args.Vp) + " must be a multiple of 8 and vocab = " +
+                                std::to_string(args.vocab) + " in [1, Vp]");
+  if (args.dot_z == nullptr || args.stats.sumsq == nullptr)
+    throw std::invalid_argument("fused::dlogits: dot_z and the final norm's sumsq partials are required");
+  const bool layer_norm = args.c != nullptr;
+  const bool all_ln = args.b_prime && args.dot_c && args.dot_b && args.col_a && args.col_b && args.stats.sum;
+  const bool any_ln = args.b_prime || args.dot_c || args.dot_b || args.col_a || args.col_b;
+  if (layer_norm ? !all_ln : any_ln)
+    throw std::invalid_argument(
+        "fused::dlogits: LayerNorm needs c, b_prime, dot_c, dot_b, col_a, col_b and the sum partials together; "
+        "RMSNorm none of c, b_prime, dot_c, dot_b, col_a, col_b");
+  if (args.N == 0 || args.Vp == 0) return;
+  if (layer_norm)
+    launch_dlogits<true>(args, stream);
+  else
+    launch_dlogits<false>(args, stream);
+}
+
+}  // namespace coda::fused
