@@ -399,14 +399,17 @@ CODA_HD float merge_lse(const LogSumExp::Out* partials, int count) {
 template <class Kind>
 struct RowReduce : Primitive {
   typename Kind::Out* out;
+  int col_end;
   float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, 0.0f};
-  CODA_HD explicit RowReduce(typename Kind::Out* o) : out(o) {}
+  CODA_HD explicit RowReduce(typename Kind::Out* o, int end = 0x7fffffff) : out(o), col_end(end) {}
   CODA_HD void begin_rows(const RowCtx& ctx) {
     for (int s = 0; s < ctx.num_slots; ++s) Kind::init(a[s], b[s]);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    for (int i = 0; i < f.width; ++i) Kind::add(a[f.slot], b[f.slot], f.v[i]);
+    const int c = out_col(f);
+    for (int i = 0; i < f.width; ++i)
+      if (c + i < col_end) Kind::add(a[f.slot], b[f.slot], f.v[i]);
   }
   template <class Lanes>
   CODA_HD void end_rows(const RowCtx& ctx, const Lanes& lanes) {
@@ -495,8 +498,9 @@ struct ColDot : Primitive {
 
 // SwiGLU backward, 1 -> 2. The accumulator is dy, the gradient of y = silu(g) u; with the saved
 // interleaved pair (g, u) at gu[row, 2c], 2c + 1 (c the accumulator column) it writes the interleaved
-// (dg, du) = (dy u silu'(g), dy silu(g)), silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), and stores
-// the recomputed y = silu(g) u to act[row, c] (the down projection's weight-gradient input).
+// (dg, du) = (dy u silu'(g), dy silu(g)), silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), and, if act
+// is not null, stores the recomputed y = silu(g) u to act[row, c] (the down projection's weight-gradient
+// input; null where the forward saved it).
 template <class T>
 struct SwiGluBackward : Primitive {
   static constexpr int kOutsPerCol = 2;
@@ -515,7 +519,7 @@ struct SwiGluBackward : Primitive {
         const float s = 1.0f / (1.0f + fast_exp(-g)), silu = g * s;
         out[2 * i] = f.v[i] * u * s * (1.0f + g * (1.0f - s));
         out[2 * i + 1] = f.v[i] * silu;
-        act[static_cast<size_t>(f.row) * ld_act + c] = static_cast<T>(silu * u);
+        if (act != nullptr) act[static_cast<size_t>(f.row) * ld_act + c] = static_cast<T>(silu * u);
       }
     }
     f.width *= 2;
