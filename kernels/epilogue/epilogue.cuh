@@ -399,14 +399,17 @@ CODA_HD float merge_lse(const LogSumExp::Out* partials, int count) {
 template <class Kind>
 struct RowReduce : Primitive {
   typename Kind::Out* out;
+  int col_end;
   float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, 0.0f};
-  CODA_HD explicit RowReduce(typename Kind::Out* o) : out(o) {}
+  CODA_HD explicit RowReduce(typename Kind::Out* o, int end = 0x7fffffff) : out(o), col_end(end) {}
   CODA_HD void begin_rows(const RowCtx& ctx) {
     for (int s = 0; s < ctx.num_slots; ++s) Kind::init(a[s], b[s]);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    for (int i = 0; i < f.width; ++i) Kind::add(a[f.slot], b[f.slot], f.v[i]);
+    const int c = out_col(f);
+    for (int i = 0; i < f.width; ++i)
+      if (c + i < col_end) Kind::add(a[f.slot], b[f.slot], f.v[i]);
   }
   template <class Lanes>
   CODA_HD void end_rows(const RowCtx& ctx, const Lanes& lanes) {
