@@ -8,6 +8,7 @@
 // aux outputs written in bf16 are compared at bf16 precision, everything else at fp32 precision.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -87,24 +88,6 @@ Vec column_sums(const Vec& partials, int M, int N) {
   Vec s(N);
   for (int j = 0; j < N; ++j) s[j] = prog::sum_column_partials(partials.data(), prog::column_partial_groups(M), N, j);
   return s;
-}
-
-// Per-row LayerNorm (r, r mu) and mu from partials of h and h^2.
-struct LnRows {
-  Vec rstd, rstd_mean;
-  std::vector<prog::LnStats> stats;
-};
-LnRows ln_rows(const Vec& h) {
-  const Vec s = tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j]; });
-  const Vec ss = tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j] * h[i * kD + j]; });
-  LnRows out{Vec(kM), Vec(kM), {}};
-  for (int i = 0; i < kM; ++i) {
-    const auto st = prog::ln_stats(&s[size_t(i) * tiles(kD)], &ss[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
-    out.stats.push_back(st);
-    out.rstd[i] = st.rstd;
-    out.rstd_mean[i] = st.rstd * st.mean;
-  }
-  return out;
 }
 
 // ---- Llama --------------------------------------------------------------------------------------------
@@ -265,30 +248,46 @@ TEST(CodaLlama, SwiGluBackwardInDownDgradWritesScaledInterleavedGradAndDzZ) {
 
 // ---- GPT-2 --------------------------------------------------------------------------------------------
 
-// A LayerNorm-ed linear layer: h with a nonzero row mean, gamma, beta, W [N, d], bias, and its
-// weight-derived vectors c, b'.
+// The row partials of h and h^2 per N tile that the producer of h writes for the LayerNorm after it.
+struct LnPartials {
+  Vec sum, sumsq;
+  explicit LnPartials(const Vec& h)
+      : sum(tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j]; })),
+        sumsq(tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j] * h[i * kD + j]; })) {}
+  prog::NormPartials view() const { return {sum.data(), sumsq.data(), tiles(kD), kD, kEps}; }
+};
+
+// A LayerNorm-ed linear layer: h (bf16 values) with a nonzero row mean and its partials; the parameter
+// vectors gamma, beta, bias (bf16 values, as the GPU reads them); W [n, d] with rows >= real_rows zero
+// (the padded vocabulary of the LM head); the weight-derived vectors c, b'.
 struct LnLinear {
   int N;
   Vec h, gamma, beta, w, bias, c, b_prime;
-  LnLinear(int n, unsigned seed, bool with_bias = true)
+  Bf16Vec h_b, gamma_b;
+  LnPartials partials;
+  LnLinear(int n, unsigned seed, bool with_bias = true, int real_rows = -1)
       : N(n),
         h(round_bf16(random_vec(kM * kD, -1.7f, 2.3f, seed))),
-        gamma(random_vec(kD, 0.5f, 1.5f, seed + 1)),
-        beta(random_vec(kD, -0.3f, 0.3f, seed + 2)),
+        gamma(round_bf16(random_vec(kD, 0.5f, 1.5f, seed + 1))),
+        beta(round_bf16(random_vec(kD, -0.3f, 0.3f, seed + 2))),
         w(random_vec(n * kD, -0.15f, 0.15f, seed + 3)),
-        bias(with_bias ? random_vec(n, -0.2f, 0.2f, seed + 4) : Vec()),
+        bias(with_bias ? round_bf16(random_vec(n, -0.2f, 0.2f, seed + 4)) : Vec()),
         c(n),
-        b_prime(n) {
+        b_prime(n),
+        h_b(to_bf16(h)),
+        gamma_b(to_bf16(gamma)),
+        partials(h) {
+    if (real_rows >= 0) std::fill(w.begin() + size_t(real_rows) * kD, w.end(), 0.0f);
     for (int j = 0; j < n; ++j)
       prog::ln_weight_vectors(j, w.data(), kD, gamma.data(), beta.data(), with_bias ? bias.data() : nullptr,
                               c.data(), b_prime.data());
   }
-  const float* bias_or_null() const { return bias.empty() ? nullptr : bias.data(); }
+  prog::NormPartials stats() const { return partials.view(); }
   // Reference forward: u = LN(h), z = u W^T + bias; mean and rstd saved.
   void reference(Vec& u, Vec& mean, Vec& rstd, Vec& z) const {
     u.resize(kM * kD), mean.resize(kM), rstd.resize(kM), z.resize(kM * N);
     ref::layernorm_forward(u.data(), mean.data(), rstd.data(), h.data(), gamma.data(), beta.data(), kM, kD, kEps);
-    ref::matmul_forward(z.data(), u.data(), w.data(), bias_or_null(), kM, kD, N);
+    ref::matmul_forward(z.data(), u.data(), w.data(), bias.empty() ? nullptr : bias.data(), kM, kD, N);
   }
   // The GEMM's accumulator in CODA mode: O W^T with O = h (.) gamma.
   Vec accumulator() const {
@@ -296,7 +295,23 @@ struct LnLinear {
     ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, N);
     return acc;
   }
+  // dz' = r dz, the scaled gradient handed to the dgrad and wgrad GEMMs (fused.cuh).
+  Vec scaled(const Vec& dz) const {
+    Vec s(dz.size());
+    for (size_t i = 0; i < dz.size(); ++i) s[i] = stats().ln_stats(int(i / N)).rstd * dz[i];
+    return s;
+  }
 };
+
+// Row partials of the three dots a LayerNorm backward needs, as their producer writes them.
+struct DotPartials {
+  Vec z, c, b;
+  explicit DotPartials(int n) : z(kM * tiles(n), NAN), c(kM * tiles(n), NAN), b(kM * tiles(n), NAN) {}
+  prog::LnDots view(int count) { return {z.data(), c.data(), b.data(), count}; }
+};
+
+// Column partials [16-row groups, n].
+Vec column_partials(int n) { return Vec(size_t(prog::column_partial_groups(kM)) * n, NAN); }
 
 TEST(CodaGpt2, LnReparamLinearAndFcGeluEqualLayerNormMatmulGelu) {
   const LnLinear L(96, 30);
@@ -306,44 +321,42 @@ TEST(CodaGpt2, LnReparamLinearAndFcGeluEqualLayerNormMatmulGelu) {
   ref::gelu_forward(act.data(), pre.data(), pre.size());
 
   const Vec acc = L.accumulator();
-  const LnRows st = ln_rows(L.h);
   Vec z(kM * L.N, NAN), out(kM * L.N, NAN);
   Bf16Vec pre_aux(kM * L.N);
-  epi::evaluate_on_host(prog::gpt2::ln_linear_program(st.rstd.data(), st.rstd_mean.data(), L.c.data(),
-                                                      L.b_prime.data()),
-                        acc.data(), kM, L.N, kTile, z.data());
-  epi::evaluate_on_host(prog::gpt2::fc_program(st.rstd.data(), st.rstd_mean.data(), L.c.data(), L.b_prime.data(),
-                                               pre_aux.data(), L.N),
+  epi::evaluate_on_host(prog::gpt2::ln_linear_program(L.stats(), L.c.data(), L.b_prime.data()), acc.data(), kM, L.N,
+                        kTile, z.data());
+  epi::evaluate_on_host(prog::gpt2::fc_program(L.stats(), L.c.data(), L.b_prime.data(), pre_aux.data(), L.N),
                         acc.data(), kM, L.N, kTile, out.data());
   EXPECT_CLOSE(z, pre, kFp32Tol);
   EXPECT_CLOSE(out, act, kFp32Tol);
   EXPECT_CLOSE(to_float(pre_aux), pre, kBf16Tol);
 }
 
-TEST(CodaGpt2, LmHeadWithFinalLayerNormLoss) {
-  const LnLinear L(96, 40, false);
+TEST(CodaGpt2, LmHeadWithFinalLayerNormLossOverTheRealVocabulary) {
+  const int vocab = 75, Vp = 96;  // the limit splits a column pair and a tile; padded rows of W are zero
+  const LnLinear L(Vp, 40, false, vocab);
   Vec u, mean, rstd_ref, logits, losses(kM);
   L.reference(u, mean, rstd_ref, logits);
   std::vector<int32_t> targets(kM);
   std::mt19937 rng(41);
-  for (auto& t : targets) t = int32_t(rng() % L.N);
-  ref::crossentropy_forward(losses.data(), logits.data(), targets.data(), kM, L.N, L.N);
+  for (auto& t : targets) t = int32_t(rng() % vocab);
+  targets[3] = vocab - 1;
+  ref::crossentropy_forward(losses.data(), logits.data(), targets.data(), kM, vocab, Vp);
 
   const Vec acc = L.accumulator();
-  const LnRows st = ln_rows(L.h);
-  Vec out(kM * L.N, NAN), target_logit(kM, NAN), loss(kM);
-  std::vector<epi::LogSumExp::Out> lse(kM * tiles(L.N));
-  epi::evaluate_on_host(prog::gpt2::lm_head_program(st.rstd.data(), st.rstd_mean.data(), L.c.data(),
-                                                    L.b_prime.data(), targets.data(), target_logit.data(), lse.data()),
-                        acc.data(), kM, L.N, kTile, out.data());
-  for (int i = 0; i < kM; ++i) loss[i] = epi::merge_lse(&lse[size_t(i) * tiles(L.N)], tiles(L.N)) - target_logit[i];
+  Vec out(kM * Vp, NAN), target_logit(kM, NAN), loss(kM);
+  std::vector<epi::LogSumExp::Out> lse(kM * tiles(Vp));
+  epi::evaluate_on_host(prog::gpt2::lm_head_program(L.stats(), L.c.data(), L.b_prime.data(), targets.data(),
+                                                    target_logit.data(), lse.data(), vocab),
+                        acc.data(), kM, Vp, kTile, out.data());
+  for (int i = 0; i < kM; ++i) loss[i] = epi::merge_lse(&lse[size_t(i) * tiles(Vp)], tiles(Vp)) - target_logit[i];
   EXPECT_CLOSE(out, logits, kFp32Tol);
   EXPECT_CLOSE(loss, losses, kFp32Tol);
 }
 
 TEST(CodaGpt2, ResidualAddWithBiasWritesLayerNormPartials) {
   const Vec x = random_vec(kM * kD, -1.0f, 1.0f, 50), w = random_vec(kD * kD, -0.15f, 0.15f, 51);
-  const Vec bias = random_vec(kD, -0.3f, 0.3f, 52), gamma = random_vec(kD, 0.5f, 1.5f, 53);
+  const Vec bias = round_bf16(random_vec(kD, -0.3f, 0.3f, 52)), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 53));
   const Vec res = round_bf16(random_vec(kM * kD, -1.5f, 2.5f, 54)), beta(kD, 0.1f);
   Vec acc(kM * kD), h(kM * kD), u(kM * kD), mean_ref(kM), rstd_ref(kM);
   ref::matmul_forward(acc.data(), x.data(), w.data(), nullptr, kM, kD, kD);
@@ -351,91 +364,151 @@ TEST(CodaGpt2, ResidualAddWithBiasWritesLayerNormPartials) {
   for (size_t i = 0; i < h.size(); ++i) h[i] += res[i];
   ref::layernorm_forward(u.data(), mean_ref.data(), rstd_ref.data(), h.data(), gamma.data(), beta.data(), kM, kD, kEps);
 
-  const Bf16Vec res_b = to_bf16(res);
+  const Bf16Vec res_b = to_bf16(res), bias_b = to_bf16(bias), gamma_b = to_bf16(gamma);
   Bf16Vec h_aux(kM * kD);
   Vec sum(kM * tiles(kD), NAN), sumsq(kM * tiles(kD), NAN), O(kM * kD, NAN), mean(kM), rstd(kM);
-  epi::evaluate_on_host(prog::gpt2::residual_program(res_b.data(), bias.data(), h_aux.data(), kD, gamma.data(),
+  epi::evaluate_on_host(prog::gpt2::residual_program(res_b.data(), bias_b.data(), h_aux.data(), kD, gamma_b.data(),
                                                      sum.data(), sumsq.data()),
                         acc.data(), kM, kD, kTile, O.data());
-  for (int i = 0; i < kM; ++i) {
-    const auto s = prog::ln_stats(&sum[size_t(i) * tiles(kD)], &sumsq[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
-    mean[i] = s.mean, rstd[i] = s.rstd;
-  }
+  const prog::NormPartials stats{sum.data(), sumsq.data(), tiles(kD), kD, kEps};
+  for (int i = 0; i < kM; ++i) mean[i] = stats.ln_stats(i).mean, rstd[i] = stats.ln_stats(i).rstd;
   EXPECT_CLOSE(to_float(h_aux), h, kBf16Tol);
   EXPECT_CLOSE(O, mul_cols(h, gamma, kM, kD), kFp32Tol);
   EXPECT_CLOSE(mean, mean_ref, kFp32Tol);
   EXPECT_CLOSE(rstd, rstd_ref, kFp32Tol);
 }
 
-TEST(CodaGpt2, ProjDgradGeluBackwardBiasGradAndLnStatistics) {
+TEST(CodaGpt2, ProjDgradGeluBackwardScaledGradientAndLnStatistics) {
   const int F = 96;
-  const Vec pre = round_bf16(random_vec(kM * F, -3.0f, 3.0f, 60));
-  const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 61), w_proj = random_vec(kD * F, -0.15f, 0.15f, 62);
-  const Vec c = random_vec(F, -1.0f, 1.0f, 63), b_prime = random_vec(F, -0.5f, 0.5f, 64);
+  const LnLinear L(F, 60);  // the fc layer whose output gradient this program produces
+  const Vec pre = round_bf16(random_vec(kM * F, -3.0f, 3.0f, 65));
+  const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 66), w_proj = random_vec(kD * F, -0.15f, 0.15f, 67);
   const Vec dact = dgrad_acc(dres, w_proj, kM, F, kD);
-  Vec dpre(kM * F, 0.0f), dbias(F, 0.0f), dot_z_ref(kM, 0.0f), dot_c_ref(kM, 0.0f), dot_b_ref(kM, 0.0f);
+  Vec dpre(kM * F, 0.0f), col_a_ref(F, 0.0f), col_b_ref(F, 0.0f);
+  Vec dot_z_ref(kM, 0.0f), dot_c_ref(kM, 0.0f), dot_b_ref(kM, 0.0f);
   ref::gelu_backward(dpre.data(), dact.data(), pre.data(), dpre.size());
   for (int i = 0; i < kM * F; ++i) {
-    dbias[i % F] += dpre[i];
+    const prog::LnStats st = L.stats().ln_stats(i / F);
+    col_a_ref[i % F] += st.rstd * dpre[i] * st.mean;
+    col_b_ref[i % F] += dpre[i];
     dot_z_ref[i / F] += dpre[i] * pre[i];
-    dot_c_ref[i / F] += dpre[i] * c[i % F];
-    dot_b_ref[i / F] += dpre[i] * b_prime[i % F];
+    dot_c_ref[i / F] += dpre[i] * L.c[i % F];
+    dot_b_ref[i / F] += dpre[i] * L.b_prime[i % F];
   }
 
   const Bf16Vec pre_b = to_bf16(pre);
-  Vec out(kM * F, NAN), dbias_p(prog::column_partial_groups(kM) * F, NAN);
-  Vec dz_p(kM * tiles(F), NAN), dc_p(kM * tiles(F), NAN), db_p(kM * tiles(F), NAN);
-  epi::evaluate_on_host(prog::gpt2::proj_dgrad_program(pre_b.data(), F, dbias_p.data(), c.data(), b_prime.data(),
-                                                       dz_p.data(), dc_p.data(), db_p.data()),
+  DotPartials dots(F);
+  Vec out(kM * F, NAN), col_a = column_partials(F), col_b = column_partials(F);
+  epi::evaluate_on_host(prog::gpt2::proj_dgrad_program(pre_b.data(), F, L.stats(), L.c.data(), L.b_prime.data(),
+                                                       dots.view(tiles(F)), {col_a.data(), col_b.data()}),
                         dact.data(), kM, F, kTile, out.data());
   Vec dot_z(kM), dot_c(kM), dot_b(kM);
   for (int i = 0; i < kM; ++i) {
-    dot_z[i] = prog::sum_partials(&dz_p[size_t(i) * tiles(F)], tiles(F));
-    dot_c[i] = prog::sum_partials(&dc_p[size_t(i) * tiles(F)], tiles(F));
-    dot_b[i] = prog::sum_partials(&db_p[size_t(i) * tiles(F)], tiles(F));
+    dot_z[i] = prog::sum_partials(&dots.z[size_t(i) * tiles(F)], tiles(F));
+    dot_c[i] = prog::sum_partials(&dots.c[size_t(i) * tiles(F)], tiles(F));
+    dot_b[i] = prog::sum_partials(&dots.b[size_t(i) * tiles(F)], tiles(F));
   }
-  EXPECT_CLOSE(out, dpre, kFp32Tol);
-  EXPECT_CLOSE(column_sums(dbias_p, kM, F), dbias, kFp32Tol);
+  EXPECT_CLOSE(out, L.scaled(dpre), kFp32Tol);
+  EXPECT_CLOSE(column_sums(col_a, kM, F), col_a_ref, kFp32Tol);
+  EXPECT_CLOSE(column_sums(col_b, kM, F), col_b_ref, kFp32Tol);
   EXPECT_CLOSE(dot_z, dot_z_ref, kFp32Tol);
   EXPECT_CLOSE(dot_c, dot_c_ref, kFp32Tol);
   EXPECT_CLOSE(dot_b, dot_b_ref, kFp32Tol);
 }
 
-TEST(CodaGpt2, LayerNormBackwardDgradFromTwoRowStatisticsOfDz) {
-  const LnLinear L(96, 70);
-  Vec u, mean, rstd_ref, z;
-  L.reference(u, mean, rstd_ref, z);
-  const Vec dz = random_vec(kM * L.N, -1.0f, 1.0f, 71);
-  const Vec du = dgrad_acc(dz, L.w, kM, kD, L.N);
-  Vec dh(kM * kD, 0.0f), dgamma(kD, 0.0f), dbeta(kD, 0.0f);
-  ref::layernorm_backward(dh.data(), dgamma.data(), dbeta.data(), du.data(), L.h.data(), L.gamma.data(), mean.data(),
-                          rstd_ref.data(), kM, kD);
+// The LayerNorm backward program on D' = dz' W: the new residual gradient, dgamma = p - q, dbeta and
+// the residual gradient's column sums; with the reference's dh, dgamma, dbeta from du = dz W.
+struct LnBackwardResult {
+  Vec out, dgamma, dbeta, residual_colsum;
+};
+LnBackwardResult run_ln_backward(const LnLinear& L, const Vec& dz_scaled, prog::LnDots dots, const Vec& d_residual) {
+  const Vec acc = dgrad_acc(dz_scaled, L.w, kM, kD, L.N);
+  const Bf16Vec dres_b = to_bf16(d_residual);
+  Vec p = column_partials(kD), q = column_partials(kD), dbeta = column_partials(kD), res = column_partials(kD);
+  LnBackwardResult r{Vec(kM * kD, NAN), {}, {}, {}};
+  epi::evaluate_on_host(prog::gpt2::ln_backward_program(L.stats(), dots, L.h_b.data(), kD, L.gamma_b.data(),
+                                                        dres_b.data(), {p.data(), q.data(), dbeta.data(), res.data()}),
+                        acc.data(), kM, kD, kTile, r.out.data());
+  r.dgamma = column_sums(p, kM, kD);
+  const Vec q_sum = column_sums(q, kM, kD);
+  for (int j = 0; j < kD; ++j) r.dgamma[j] -= q_sum[j];
+  r.dbeta = column_sums(dbeta, kM, kD);
+  r.residual_colsum = column_sums(res, kM, kD);
+  return r;
+}
 
-  // S1 = <dz, c>, S2 = <dz, z> - <dz, b'>: partials from the producer of dz.
+// The reference LayerNorm backward from du = dz W, added to the incoming residual gradient.
+struct LnBackwardReference {
+  Vec d_residual, dgamma, dbeta, residual_colsum;
+};
+LnBackwardReference reference_ln_backward(const LnLinear& L, const Vec& mean, const Vec& rstd, const Vec& dz,
+                                          const Vec& d_residual) {
+  const Vec du = dgrad_acc(dz, L.w, kM, kD, L.N);
+  LnBackwardReference r{d_residual, Vec(kD, 0.0f), Vec(kD, 0.0f), Vec(kD, 0.0f)};
+  ref::layernorm_backward(r.d_residual.data(), r.dgamma.data(), r.dbeta.data(), du.data(), L.h.data(),
+                          L.gamma.data(), mean.data(), rstd.data(), kM, kD);
+  for (int i = 0; i < kM * kD; ++i) r.residual_colsum[i % kD] += r.d_residual[i];
+  return r;
+}
+
+TEST(CodaGpt2, LayerNormBackwardScaledDgradAddsIntoTheResidualGradient) {
+  const LnLinear L(96, 70);
+  Vec u, mean, rstd, z;
+  L.reference(u, mean, rstd, z);
+  const Vec dz = random_vec(kM * L.N, -1.0f, 1.0f, 71), d_residual = round_bf16(random_vec(kM * kD, -0.5f, 0.5f, 72));
+  const LnBackwardReference expect = reference_ln_backward(L, mean, rstd, dz, d_residual);
+
+  // S1 = <dz, c>, S2 = <dz, z> - <dz, b'> on the unscaled dz: partials from the producer of dz.
   const int N = L.N;
-  const Vec dot_c = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.c[j]; });
-  const Vec dot_z = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * z[i * N + j]; });
-  const Vec dot_b = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.b_prime[j]; });
-  const LnRows st = ln_rows(L.h);
-  Vec k(kM), e(kM);
-  for (int i = 0; i < kM; ++i) {
-    const size_t o = size_t(i) * tiles(N);
-    const auto coefs = prog::ln_backward_coefs(&dot_c[o], &dot_z[o], &dot_b[o], tiles(N), st.stats[i], kD);
-    k[i] = coefs.tile_coef, e[i] = coefs.row_add;
-  }
-  const Bf16Vec h_b = to_bf16(L.h);
-  const size_t np = size_t(prog::column_partial_groups(kM)) * kD;
-  Vec out(kM * kD, NAN), dbeta_p(np, NAN), q_p(np, NAN), p_p(np, NAN);
-  epi::evaluate_on_host(prog::gpt2::ln_backward_program(st.rstd.data(), st.rstd_mean.data(), h_b.data(), kD,
-                                                        L.gamma.data(), k.data(), e.data(), dbeta_p.data(),
-                                                        q_p.data(), p_p.data()),
-                        du.data(), kM, kD, kTile, out.data());
-  Vec dgamma_coda = column_sums(p_p, kM, kD);
-  const Vec q = column_sums(q_p, kM, kD);
-  for (int j = 0; j < kD; ++j) dgamma_coda[j] -= q[j];
-  EXPECT_CLOSE(out, dh, kFp32Tol);
-  EXPECT_CLOSE(dgamma_coda, dgamma, kFp32Tol);
-  EXPECT_CLOSE(column_sums(dbeta_p, kM, kD), dbeta, kFp32Tol);
+  DotPartials dots(N);
+  dots.z = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * z[i * N + j]; });
+  dots.c = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.c[j]; });
+  dots.b = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.b_prime[j]; });
+  const LnBackwardResult got = run_ln_backward(L, L.scaled(dz), dots.view(tiles(N)), d_residual);
+  EXPECT_CLOSE(got.out, expect.d_residual, kFp32Tol);
+  EXPECT_CLOSE(got.dgamma, expect.dgamma, kFp32Tol);
+  EXPECT_CLOSE(got.dbeta, expect.dbeta, kFp32Tol);
+  EXPECT_CLOSE(got.residual_colsum, expect.residual_colsum, kFp32Tol);
+}
+
+// The MLP backward as the CODA mode chains it: the proj dgrad program hands on dz' = r dz with the
+// column partials a, b and the row dots; the fc weight gradient is dz'^T O plus the rank-1 correction
+//   dW = dz'^T O - a gamma^T + b beta^T,  dbias = b,
+// and the fc dgrad's LayerNorm backward runs on those dots. The weight gradient matches the reference to
+// fp32 precision; the LayerNorm backward to bf16 precision, because S2 = <dz, z - b'> reads the saved
+// bf16 pre-activation where the reference has the exact one.
+TEST(CodaGpt2, MlpBackwardChainWeightGradientRankOneCorrectionAndLayerNormBackward) {
+  const int F = 96;
+  const LnLinear L(F, 80);
+  Vec u, mean, rstd, z;
+  L.reference(u, mean, rstd, z);
+  const Vec pre = round_bf16(z);
+  const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 81), w_proj = random_vec(kD * F, -0.15f, 0.15f, 82);
+  const Vec dact = dgrad_acc(dres, w_proj, kM, F, kD);
+  Vec dpre(kM * F, 0.0f), dw_ref(F * kD, 0.0f), db_ref(F, 0.0f);
+  ref::gelu_backward(dpre.data(), dact.data(), pre.data(), dpre.size());
+  ref::matmul_backward(nullptr, dw_ref.data(), db_ref.data(), dpre.data(), u.data(), L.w.data(), kM, kD, F);
+  const LnBackwardReference expect = reference_ln_backward(L, mean, rstd, dpre, dres);
+
+  const Bf16Vec pre_b = to_bf16(pre);
+  DotPartials dots(F);
+  Vec dz_scaled(kM * F, NAN), col_a = column_partials(F), col_b = column_partials(F);
+  epi::evaluate_on_host(prog::gpt2::proj_dgrad_program(pre_b.data(), F, L.stats(), L.c.data(), L.b_prime.data(),
+                                                       dots.view(tiles(F)), {col_a.data(), col_b.data()}),
+                        dact.data(), kM, F, kTile, dz_scaled.data());
+  const Vec a = column_sums(col_a, kM, F), b = column_sums(col_b, kM, F), O = mul_cols(L.h, L.gamma, kM, kD);
+  Vec dw(F * kD, 0.0f);
+  ref::matmul_backward(nullptr, dw.data(), nullptr, dz_scaled.data(), O.data(), L.w.data(), kM, kD, F);
+  for (int n = 0; n < F; ++n)
+    for (int k = 0; k < kD; ++k) dw[size_t(n) * kD + k] += b[n] * L.beta[k] - a[n] * L.gamma[k];
+  EXPECT_CLOSE(dw, dw_ref, kFp32Tol);
+  EXPECT_CLOSE(b, db_ref, kFp32Tol);
+
+  const LnBackwardResult got = run_ln_backward(L, dz_scaled, dots.view(tiles(F)), dres);
+  EXPECT_CLOSE(got.out, expect.d_residual, kBf16Tol);
+  EXPECT_CLOSE(got.dgamma, expect.dgamma, kBf16Tol);
+  EXPECT_CLOSE(got.dbeta, expect.dbeta, kFp32Tol);
+  EXPECT_CLOSE(got.residual_colsum, expect.residual_colsum, kBf16Tol);
 }
 
 }  // namespace

@@ -2,13 +2,22 @@
 // Notation (docs/CODA.md): residual stream h [M, d]; LayerNorm u = (h - mu) r (.) gamma + beta per row
 // (mean mu, r = 1 / sqrt(var + eps)); next GEMM z = u W^T + bias, W [n, d]. Reparameterized forward:
 //   z = r (O W^T) - (r mu) c + b',   O = h (.) gamma,  c = W gamma,  b' = W beta + bias,
-// with the weight-derived vectors c, b' computed once per step (prog::ln_weight_vectors) and mu, r from
-// the partial sums of h and h^2 written by the GEMM that produced h (prog::ln_stats). Backward, with
-// D = dz W = du and x_hat = (h - mu) r:
-//   dh = r (D (.) gamma) - k h + e,  k = r^2 S2 / d,  e = k mu - r S1 / d,
-//   S1 = <dz, c>,  S2 = <dz, z> - <dz, b'>   (row dots of dz, taken by the producer of dz),
-//   dgamma = sum over rows of r D (.) h - (r mu) D,   dbeta = sum over rows of D.
-// The program type each function returns is the one the GEMM kernel is instantiated with (gemm_run).
+// with the weight-derived vectors c, b' computed once per forward (fused::ln_weight_vectors) and mu, r
+// finished from the partial sums of h and h^2 (NormPartials) that the producer of h wrote, by the row
+// operands of norm_stats.cuh as each GEMM tile's rows begin.
+//
+// Backward in the scaled form of fused.cuh: the gradient dz of a LayerNormed GEMM is handed on as
+// dz' = r dz, so the dgrad accumulator is D' = dz' W = r du and, with x_hat = (h - mu) r,
+//   dh = D' (.) gamma - k h + e,   k = r^2 S2 / d,  e = k mu - r S1 / d,
+//   S1 = <dz, c>,  S2 = <dz, z> - <dz, b'>     (row dots of the UNSCALED dz, taken by its producer),
+//   dgamma = colsum(D' (.) h) - colsum(D' mu),  dbeta = colsum(D' / r);
+// and the weight gradient is dW = dz'^T O - a gamma^T + b beta^T with the column sums a = colsum(dz' mu),
+// b = colsum(dz) (also the bias gradient), fused::ln_wgrad_correction.
+// The residual gradient d_residual is loaded by each LayerNorm backward (TileLoad<Add>), summed with dh
+// and stored in place; its column sums on the way out are the bias gradient of the projection whose
+// output it is the gradient of (the attention out-projection, or the MLP projection of the layer below).
+// The program type each function returns is the one the GEMM kernel is instantiated with (gemm_run);
+// parameter vectors (gamma, beta, biases) are bf16, weight-derived vectors fp32.
 #pragma once
 #include "kernels/coda/norm_stats.cuh"
 
@@ -17,59 +26,81 @@ namespace coda::prog::gpt2 {
 using bf16 = __nv_bfloat16;
 using namespace coda::epi;
 
-// A linear layer after a LayerNorm (QKV, and the LM head with b' = W beta):
-// z = r (O W^T) - (r mu) c + b'.
-inline auto ln_linear_program(const float* rstd, const float* rstd_mean, const float* c, const float* b_prime) {
-  return make_program(RowBroadcast<Mul>(rstd), SubScaled<ColVector>(rstd_mean, ColVector{c}),
-                      ColBroadcast<Add>(b_prime));
+// z = r acc - (r mu) c + b' (the LayerNorm reparameterization), followed by the primitives `rest`.
+template <class... Rest>
+inline auto ln_linear_then(const NormPartials& stats, const float* c, const float* b_prime, const Rest&... rest) {
+  return make_program(RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{stats}),
+                      SubScaled<ColVector, RowOf<LnRstdMean>>(LnRstdMean{stats}, ColVector{c}),
+                      ColBroadcast<Add>(b_prime), rest...);
 }
 
-// fc: pre = r (O Wfc^T) - (r mu) c + b' kept as aux output [M, F]; main output gelu(pre).
-inline auto fc_program(const float* rstd, const float* rstd_mean, const float* c, const float* b_prime, bf16* pre,
-                       int f) {
-  return make_program(RowBroadcast<Mul>(rstd), SubScaled<ColVector>(rstd_mean, ColVector{c}),
-                      ColBroadcast<Add>(b_prime), StoreAux<bf16>(pre, f), Elementwise<Gelu>());
+// QKV: qkv = LN(h) Wqkv^T + bias.
+inline auto ln_linear_program(const NormPartials& stats, const float* c, const float* b_prime) {
+  return ln_linear_then(stats, c, b_prime);
 }
 
-// Attention out projection and MLP proj: h = x W^T + bias + res, kept as aux output h; partial sums of
-// h and h^2 for the next LayerNorm; main output O = h (.) gamma_next.
-inline auto residual_program(const bf16* res, const float* bias, bf16* h, int d, const float* gamma_next,
+// fc: pre = LN(h) Wfc^T + bias kept as aux output [M, f]; main output gelu(pre).
+inline auto fc_program(const NormPartials& stats, const float* c, const float* b_prime, bf16* pre, int f) {
+  return ln_linear_then(stats, c, b_prime, StoreAux<bf16>(pre, f), Elementwise<Gelu>());
+}
+
+// LM head (tied wte, no bias: b' = W beta) with the final LayerNorm: logits, the target logit and
+// per-N-tile log-sum-exp partials over the first `vocab` columns (the padded ones take no part).
+inline auto lm_head_program(const NormPartials& stats, const float* c, const float* b_prime, const int32_t* targets,
+                            float* target_logit, LogSumExp::Out* lse_partials, int vocab) {
+  return ln_linear_then(stats, c, b_prime, RowPick(targets, target_logit),
+                        RowReduce<LogSumExp>(lse_partials, vocab));
+}
+
+// Attention out-projection and MLP projection: h = x W^T + bias + res, kept as aux output h [M, d];
+// row partials of h and h^2 for the next LayerNorm (NormPartials); main output O = h (.) gamma_next.
+inline auto residual_program(const bf16* res, const bf16* bias, bf16* h, int d, const bf16* gamma_next,
                              float* sum_partials, float* sumsq_partials) {
-  return make_program(TileLoad<Add>(res, d), ColBroadcast<Add>(bias), StoreAux<bf16>(h, d),
+  return make_program(TileLoad<Add>(res, d), ColBroadcast<Add, bf16>(bias), StoreAux<bf16>(h, d),
                       RowReduce<Sum>(sum_partials), RowReduce<SumSquares>(sumsq_partials),
-                      ColBroadcast<Mul>(gamma_next));
+                      ColBroadcast<Mul, bf16>(gamma_next));
 }
 
-// LM head (tied wte, no bias) with the final LayerNorm, the target logit and log-sum-exp partials.
-inline auto lm_head_program(const float* rstd, const float* rstd_mean, const float* c, const float* b_prime,
-                            const int32_t* targets, float* target_logit, LogSumExp::Out* lse_partials) {
-  return make_program(RowBroadcast<Mul>(rstd), SubScaled<ColVector>(rstd_mean, ColVector{c}),
-                      ColBroadcast<Add>(b_prime), RowPick(targets, target_logit),
-                      RowReduce<LogSumExp>(lse_partials));
+// The column partials of a LayerNormed GEMM's gradient that its weight gradient's rank-1 terms need
+// ([groups of 16 rows, n]): col_b = colsum(dz) (the bias gradient), col_a = colsum(dz' mu).
+struct LnGradColumns {
+  float* col_a = nullptr;
+  float* col_b = nullptr;
+};
+
+// MLP projection dgrad with the GELU backward and the fc's LayerNorm statistics: the accumulator
+// D = dres Wproj is the gradient of gelu(pre); dz = D gelu'(pre) (the gradient of the fc output z = pre);
+// its column sums col_b, its row dots <dz, pre>, <dz, c_fc>, <dz, b'_fc> (the fc dgrad's S1, S2); then
+// dz' = r dz (stats: the LayerNorm before fc) as main output [M, f], and col_a = colsum(dz' mu).
+inline auto proj_dgrad_program(const bf16* pre, int f, const NormPartials& stats, const float* c,
+                               const float* b_prime, const LnDots& dots, const LnGradColumns& cols) {
+  return make_program(TileLoad<GeluGradMul>(pre, f), ColDot<Ones>(Ones{}, cols.col_b, f),
+                      RowDot<Tile>(Tile{pre, f}, dots.z), RowDot<ColVector>(ColVector{c}, dots.c),
+                      RowDot<ColVector>(ColVector{b_prime}, dots.b),
+                      RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{stats}),
+                      ColDot<RowOf<LnMean>>(LnMean{stats}, cols.col_a, f));
 }
 
-// proj dgrad with the GELU backward: accumulator D = dres Wproj = d gelu(pre); dz = D gelu'(pre) is the
-// main output (the fc dgrad's input); column partials of dz: the fc bias gradient; row partials of
-// <dz, pre>, <dz, c_fc>, <dz, b'_fc>: the LayerNorm-backward statistics S2 = <dz, z> - <dz, b'> (z = pre)
-// and S1 = <dz, c> of the fc dgrad.
-inline auto proj_dgrad_program(const bf16* pre, int f, float* dbias_partials, const float* c, const float* b_prime,
-                               float* dot_z, float* dot_c, float* dot_b) {
-  return make_program(TileLoad<GeluGradMul>(pre, f), ColDot<Ones>(Ones{}, dbias_partials, f),
-                      RowDot<Tile>(Tile{pre, f}, dot_z), RowDot<ColVector>(ColVector{c}, dot_c),
-                      RowDot<ColVector>(ColVector{b_prime}, dot_b));
-}
+// The column partials a LayerNorm backward writes ([groups of 16 rows, d] each): dgamma = p - q,
+// dbeta, and the column sums of the new residual gradient (a projection's bias gradient).
+struct LnBackwardColumns {
+  float* p = nullptr;       // colsum(D' (.) h)
+  float* q = nullptr;       // colsum(D' mu)
+  float* dbeta = nullptr;   // colsum(D' / r)
+  float* residual = nullptr;  // colsum(d_residual + dh)
+};
 
-// Dgrad of a LayerNormed GEMM (QKV or fc) with the LayerNorm backward: accumulator D = dz W = du;
-//   column partials of D: dbeta;  of (r mu) D: dgamma's mean term q;
-//   v = r D            -> column partials of v (.) h: dgamma's main term p (dgamma = p - q);
-//   v = r D (.) gamma - k h + e     (prog::ln_backward_coefs)
-// main output accumulated into the residual gradient (dres += dh).
-inline auto ln_backward_program(const float* rstd, const float* rstd_mean, const bf16* h, int d, const float* gamma,
-                                const float* k, const float* e, float* dbeta_partials, float* q_partials,
-                                float* p_partials) {
-  return make_program(ColDot<Ones>(Ones{}, dbeta_partials, d), ColDot<RowVector>(RowVector(rstd_mean), q_partials, d),
-                      RowBroadcast<Mul>(rstd), ColDot<Tile>(Tile{h, d}, p_partials, d), ColBroadcast<Mul>(gamma),
-                      SubScaled<Tile>(k, Tile{h, d}), RowBroadcast<Add>(e));
+// Dgrad of a LayerNormed GEMM (QKV, fc, LM head) with the LayerNorm backward: accumulator D' = r du;
+// d_residual [M, d] += D' (.) gamma - k h + e, stored in place (the GEMM's output is d_residual).
+// stats: the norm's partials; dots: the row dots of its input gradient dz; h: the norm's input.
+inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
+                                const bf16* gamma, const bf16* d_residual, const LnBackwardColumns& cols) {
+  return make_program(ColDot<RowOf<LnInvRstd>>(LnInvRstd{stats}, cols.dbeta, d),
+                      ColDot<RowOf<LnMean>>(LnMean{stats}, cols.q, d), ColDot<Tile>(Tile{h, d}, cols.p, d),
+                      ColBroadcast<Mul, bf16>(gamma),
+                      SubScaled<Tile, RowOf<LnBackwardK>>(LnBackwardK{stats, dots}, Tile{h, d}),
+                      RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{stats, dots}), TileLoad<Add>(d_residual, d),
+                      ColDot<Ones>(Ones{}, cols.residual, d));
 }
 
 }  // namespace coda::prog::gpt2

@@ -74,6 +74,53 @@ struct NormPartials {
   CODA_HD float rstd(int row) const { return sum == nullptr ? rms_rstd(row) : ln_stats(row).rstd; }
 };
 
+// ---- LayerNorm statistics as row operands (RowOf<Stat>, epilogue.cuh), finished from the partials ----
+// Forward: z = r (O W^T) - (r mu) c + b' reads LnRstd and LnRstdMean. Backward (scaled form, fused.cuh:
+// the dgrad accumulator is D' = r du): dh = D' (.) gamma - k h + e reads LnBackwardK and LnBackwardE;
+// dgamma = colsum(D' (.) h) - colsum(D' mu) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd.
+struct LnRstd {
+  NormPartials stats;
+  CODA_HD float operator()(int row) const { return stats.ln_stats(row).rstd; }
+};
+struct LnRstdMean {
+  NormPartials stats;
+  CODA_HD float operator()(int row) const {
+    const LnStats st = stats.ln_stats(row);
+    return st.rstd * st.mean;
+  }
+};
+struct LnMean {
+  NormPartials stats;
+  CODA_HD float operator()(int row) const { return stats.ln_stats(row).mean; }
+};
+struct LnInvRstd {
+  NormPartials stats;
+  CODA_HD float operator()(int row) const { return 1.0f / stats.ln_stats(row).rstd; }
+};
+
+// The row partials of a LayerNorm backward's three dots, taken on the unscaled dz by its producer:
+// <dz, z>, <dz, c>, <dz, b'>, each [M, count].
+struct LnDots {
+  float* z = nullptr;
+  float* c = nullptr;
+  float* b = nullptr;
+  int count = 0;
+  CODA_HD LnBackwardCoefs coefs(const NormPartials& stats, int row) const {
+    const size_t at = static_cast<size_t>(row) * count;
+    return ln_backward_coefs(c + at, z + at, b + at, count, stats.ln_stats(row), stats.d);
+  }
+};
+struct LnBackwardK {
+  NormPartials stats;
+  LnDots dots;
+  CODA_HD float operator()(int row) const { return dots.coefs(stats, row).tile_coef; }
+};
+struct LnBackwardE {
+  NormPartials stats;
+  LnDots dots;
+  CODA_HD float operator()(int row) const { return dots.coefs(stats, row).row_add; }
+};
+
 // Sum over the 16-row groups of a column partial buffer [groups, ld].
 CODA_HD float sum_column_partials(const float* partials, int groups, int ld, int col) {
   float s = 0.0f;

@@ -1,0 +1,235 @@
+// The GPT-2 CODA backend (coda_gpt2.hpp): one step as GEMMs with epilogue programs.
+//
+// Forward, once: the weight-derived vectors c = W gamma, b' = W beta + bias of each LayerNormed linear
+// layer (QKV, fc, the LM head) from the bf16 weights; the embedding writes layer 0's h, O1 = h (.) gamma1
+// and the partials of h and h^2. Layer l (N rows, C = d_model, Q = qkv_dim, F = d_ff):
+//   QKV       qkv = r (O1 Wqkv^T) - (r mu) c + b'                                  ln_linear_program
+//   attention
+//   out-proj  h2 = attn Wo^T + bias + h  (aux mid), O2 = h2 (.) gamma2 (norm2), partials of h2, h2^2
+//   fc        pre = LN(h2) Wfc^T + bias (aux up), act = gelu(pre)                   fc_program
+//   proj      h' = act Wproj^T + bias + h2 (aux: next input), O' = h' (.) gamma' (next norm1 or normf)
+// Head: logits = LN(h) Wte^T with the target logit and the log-sum-exp partials (CodaBackend finishes
+// the loss from them).
+//
+// Backward (scaled-gradient convention of fused.cuh; d_residual = gradient of the residual stream):
+//   head      fused::dlogits -> dlogits' = r dz with the row dots and column partials of the final norm;
+//             d_residual = 0, then the LayerNorm-backward dgrad (dlogits' Wte) adds the final norm's dh
+//             (one program type serves the three LayerNorm backwards); wgrad + rank-1 correction.
+//   proj      dgrad d_act = dz' of the fc output (GELU backward, row dots, col_a, col_b: proj_dgrad_program);
+//             wgrad += d_residual^T act; its bias gradient: the column sums that the LayerNorm backward
+//             above it left (ln_cols_.residual)
+//   fc        dgrad: LayerNorm backward of norm2 into d_residual (+ its column sums: the out-proj bias);
+//             wgrad += dz'^T O2 + rank-1 correction (+ fc bias)
+//   out-proj  plain dgrad into d_attn, wgrad, bias from the column sums just written
+//   attention backward with the LayerNorm write-out: d_qkv = r dz, row dots, col_a, col_b
+//   QKV       dgrad: LayerNorm backward of norm1 into d_residual (+ column sums: the proj bias of the layer
+//             below); wgrad + rank-1 correction (+ qkv bias)
+// Every piece finishes its own layer's gradients, so the data-parallel bucket overlap of CudaBackend holds.
+#include "coda_gpt2.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "kernels/coda/fused.cuh"
+#include "kernels/cuda_check.cuh"
+#include "kernels/gemm/gemm_launch.cuh"
+
+namespace coda {
+
+namespace {
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+CodaGpt2Backend::CodaGpt2Backend(const ModelConfig& config, int max_batch, int max_seq_len)
+    : CodaBackend(config, max_batch, max_seq_len), qkv_vectors_(config.n_layer), fc_vectors_(config.n_layer) {
+  if (config.arch != Arch::GPT2)
+    throw std::invalid_argument(std::string("coda gpt2 backend: arch is ") + arch_name(config.arch) + ", not gpt2");
+}
+
+void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
+  CodaBackend::plan_buffers(plan);
+  const ModelConfig& c = config_;
+  const int N = max_batch_ * max_seq_len_, C = c.d_model, Q = c.qkv_dim(), F = c.d_ff, V = c.padded_vocab();
+  const std::string vectors = "coda weight-derived vectors", partials = "coda gradient partials";
+  auto reserve_vectors = [&](LnVectors& v, int rows) {
+    plan.reserve(&v.c, rows, vectors);
+    plan.reserve(&v.b_prime, rows, vectors);
+  };
+  for (int l = 0; l < c.n_layer; ++l) {
+    reserve_vectors(qkv_vectors_[l], Q);
+    reserve_vectors(fc_vectors_[l], F);
+  }
+  reserve_vectors(head_vectors_, V);
+  // Row dots: the proj dgrad writes the most partials per row (the attention write-out and dlogits one).
+  const size_t dots = static_cast<size_t>(N) * max_row_partials(F);
+  plan.reserve(&dot_z_, dots, partials);
+  plan.reserve(&dot_c_, dots, partials);
+  plan.reserve(&dot_b_, dots, partials);
+  const size_t grad_cols = std::max({static_cast<size_t>(prog::column_partial_groups(N)) * F,
+                                     static_cast<size_t>(ceil_div(N, attention_writeout_group_rows())) * Q,
+                                     static_cast<size_t>(ceil_div(N, fused::dlogits_group_rows())) * V});
+  plan.reserve(&grad_cols_.col_a, grad_cols, partials);
+  plan.reserve(&grad_cols_.col_b, grad_cols, partials);
+  const size_t ln_cols = static_cast<size_t>(prog::column_partial_groups(N)) * C;
+  for (float** cols : {&ln_cols_.p, &ln_cols_.q, &ln_cols_.dbeta, &ln_cols_.residual})
+    plan.reserve(cols, ln_cols, partials);
+}
+
+// ---- forward ----
+
+void CodaGpt2Backend::weight_vectors() {
+  const int C = config_.d_model;
+  for (int l = 0; l < config_.n_layer; ++l) {
+    const LayerParams& p = layout_.layers[l];
+    fused::ln_weight_vectors(qkv_vectors_[l].c, qkv_vectors_[l].b_prime, weight(p.qkv_w), config_.qkv_dim(), C,
+                             weight(p.norm1_w), weight(p.norm1_b), weight(p.qkv_b), stream_);
+    fused::ln_weight_vectors(fc_vectors_[l].c, fc_vectors_[l].b_prime, weight(p.mlp_up_w), config_.d_ff, C,
+                             weight(p.norm2_w), weight(p.norm2_b), weight(p.mlp_up_b), stream_);
+  }
+  fused::ln_weight_vectors(head_vectors_.c, head_vectors_.b_prime, weight(layout_.head_weight()),
+                           config_.padded_vocab(), C, weight(layout_.normf_w), weight(layout_.normf_b), nullptr,
+                           stream_);
+}
+
+void CodaGpt2Backend::embedding_forward(int B, int T) {
+  weight_vectors();
+  CodaBackend::embedding_forward(B, T);
+}
+
+void CodaGpt2Backend::block_forward(int layer, int B, int T) {
+  using namespace prog::gpt2;
+  const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
+  LayerActivations& a = acts_.layers[layer];
+  const LayerParams& p = layout_.layers[layer];
+  const bool last = layer + 1 == config_.n_layer;
+
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.qkv, a.norm1, weight(p.qkv_w), N, Q, C, false,
+                                ln_linear_program(norm_partials(norm1_stats_[layer]), qkv_vectors_[layer].c,
+                                                  qkv_vectors_[layer].b_prime),
+                                stream_);
+  attention_forward(a.attn, a.lse, a.qkv, attention_shape(B, T), stream_);
+
+  NormStatsBuffers& stats2 = norm2_stats_[layer];
+  stats2.count = row_partials(GemmLayout::Forward, N, C, C);
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.norm2, a.attn, weight(p.attn_proj_w), N, C, C, false,
+                                residual_program(a.input, weight(p.attn_proj_b), a.mid, C, weight(p.norm2_w),
+                                                 stats2.sum, stats2.sumsq),
+                                stream_);
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.act, a.norm2, weight(p.mlp_up_w), N, F, C, false,
+                                fc_program(norm_partials(stats2), fc_vectors_[layer].c, fc_vectors_[layer].b_prime,
+                                           a.up, F),
+                                stream_);
+
+  NormStatsBuffers& next = next_norm_stats(layer);
+  next.count = row_partials(GemmLayout::Forward, N, C, F);
+  bf16* next_O = last ? acts_.normf : acts_.layers[layer + 1].norm1;
+  const size_t next_gamma = last ? layout_.normf_w : layout_.layers[layer + 1].norm1_w;
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, next_O, a.act, weight(p.mlp_down_w), N, C, F, false,
+                                residual_program(a.mid, weight(p.mlp_down_b), layer_output(layer), C,
+                                                 weight(next_gamma), next.sum, next.sumsq),
+                                stream_);
+}
+
+void CodaGpt2Backend::head_forward(int B, int T) {
+  const int N = B * T, C = config_.d_model, V = config_.padded_vocab();
+  lse_count_ = row_partials(GemmLayout::Forward, N, V, C);
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, acts_.logits, acts_.normf, weight(layout_.head_weight()), N, V, C,
+                                false,
+                                prog::gpt2::lm_head_program(norm_partials(normf_stats_), head_vectors_.c,
+                                                            head_vectors_.b_prime, acts_.targets, target_logit_,
+                                                            lse_partials_, config_.vocab_size),
+                                stream_);
+}
+
+// ---- backward ----
+
+void CodaGpt2Backend::ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats,
+                                  const prog::LnDots& dots, const bf16* h, size_t norm_w, size_t norm_b, int N) {
+  const int C = config_.d_model, groups = prog::column_partial_groups(N);
+  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(W), N, C, K, false,
+                              prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w),
+                                                              scratch_.d_residual, ln_cols_),
+                              stream_);
+  fused::add_column_partials(grad(norm_w), ln_cols_.p, groups, C, C, 1.0f, stream_);
+  fused::add_column_partials(grad(norm_w), ln_cols_.q, groups, C, C, -1.0f, stream_);
+  fused::add_column_partials(grad(norm_b), ln_cols_.dbeta, groups, C, C, 1.0f, stream_);
+}
+
+void CodaGpt2Backend::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* O, int rows, int N,
+                                      int groups, size_t norm_w, size_t norm_b) {
+  const int C = config_.d_model;
+  gemm_wgrad(grad(W), dz_scaled, O, rows, C, N, true, stream_);
+  fused::ln_wgrad_correction(grad(W), grad(bias), grad_cols_.col_a, grad_cols_.col_b, groups, rows, C,
+                             weight(norm_w), weight(norm_b), stream_);
+}
+
+void CodaGpt2Backend::head_backward(int B, int T, float dloss) {
+  const int N = B * T, C = config_.d_model, V = config_.padded_vocab();
+  fused::DlogitsArgs args;
+  args.dlogits = acts_.logits;
+  args.logits = acts_.logits;
+  args.lse = acts_.logits_lse;
+  args.targets = acts_.targets;
+  args.dloss = dloss;
+  args.N = N;
+  args.vocab = config_.vocab_size;
+  args.Vp = V;
+  args.stats = norm_partials(normf_stats_);
+  args.dot_z = dot_z_;
+  args.c = head_vectors_.c;
+  args.b_prime = head_vectors_.b_prime;
+  args.dot_c = dot_c_;
+  args.dot_b = dot_b_;
+  args.col_a = grad_cols_.col_a;
+  args.col_b = grad_cols_.col_b;
+  fused::dlogits(args, stream_);
+
+  CUDA_CHECK(cudaMemsetAsync(scratch_.d_residual, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
+  ln_backward(acts_.logits, layout_.head_weight(), V, normf_stats_, {dot_z_, dot_c_, dot_b_, 1}, acts_.output,
+              layout_.normf_w, layout_.normf_b, N);
+  ln_linear_wgrad(layout_.head_weight(), kAbsent, acts_.logits, acts_.normf, V, N,
+                  ceil_div(N, fused::dlogits_group_rows()), layout_.normf_w, layout_.normf_b);
+}
+
+void CodaGpt2Backend::block_backward(int layer, int B, int T) {
+  const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
+  const int groups = prog::column_partial_groups(N);
+  const LayerActivations& a = acts_.layers[layer];
+  const LayerParams& p = layout_.layers[layer];
+  bf16* d_residual = scratch_.d_residual;  // holds the gradient of this layer's output
+  bf16* d_up = scratch_.d_act;             // dz' of the fc output
+
+  fused::add_column_partials(grad(p.mlp_down_b), ln_cols_.residual, groups, C, C, 1.0f, stream_);
+  const prog::LnDots fc_dots{dot_z_, dot_c_, dot_b_, row_partials(GemmLayout::Dgrad, N, F, C)};
+  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_up, d_residual, weight(p.mlp_down_w), N, F, C, false,
+                              prog::gpt2::proj_dgrad_program(a.up, F, norm_partials(norm2_stats_[layer]),
+                                                             fc_vectors_[layer].c, fc_vectors_[layer].b_prime,
+                                                             fc_dots, grad_cols_),
+                              stream_);
+  gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
+  ln_backward(d_up, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.mid, p.norm2_w, p.norm2_b, N);
+  ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up, a.norm2, F, N, groups, p.norm2_w, p.norm2_b);
+
+  fused::add_column_partials(grad(p.attn_proj_b), ln_cols_.residual, groups, C, C, 1.0f, stream_);
+  gemm_dgrad(scratch_.d_attn, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
+  gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
+  AttentionWriteout writeout;
+  writeout.stats = norm_partials(norm1_stats_[layer]);
+  writeout.dot_z = dot_z_;
+  writeout.c = qkv_vectors_[layer].c;
+  writeout.b_prime = qkv_vectors_[layer].b_prime;
+  writeout.dot_c = dot_c_;
+  writeout.dot_b = dot_b_;
+  writeout.col_a = grad_cols_.col_a;
+  writeout.col_b = grad_cols_.col_b;
+  attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
+                     attention_shape(B, T), stream_, &writeout);
+  ln_backward(scratch_.d_qkv, p.qkv_w, Q, norm1_stats_[layer], {dot_z_, dot_c_, dot_b_, 1}, a.input, p.norm1_w,
+              p.norm1_b, N);
+  ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, ceil_div(N, attention_writeout_group_rows()),
+                  p.norm1_w, p.norm1_b);
+}
+
+}  // namespace coda
