@@ -10,7 +10,7 @@
 //    launch latency (a few microseconds), which dominates the smallest kernels.
 // Target: back-to-back >= 80% of 4.2 TB/s (ANCHORS.md) for each kernel.
 //
-// Usage: bench_unfused_kernels [gpt2|llama|all]
+// Usage: bench_unfused_kernels [gpt2|llama|all] [FILTER]   (FILTER: only kernels whose name contains it)
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -141,11 +141,13 @@ struct Row {
 };
 
 std::vector<Row> rows;
+std::string kernel_filter;  // only kernels whose name contains it (empty: all)
 
 double percent(double bytes, double ms) { return 100.0 * bytes / (ms * 1e-3) / kAnchorBytesPerSecond; }
 
 void report(Timer& timer, const std::string& model, const std::string& kernel, double bytes, int sets,
             const std::function<void(int)>& launch) {
+  if (model != "device" && kernel.find(kernel_filter) == std::string::npos) return;
   const auto [isolated, ms] = timer.measure(launch, sets);
   rows.push_back({model, kernel, bytes, isolated, ms});
   std::printf("%-6s %-36s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%   isolated %9.1f us %6.1f%%\n", model.c_str(),
@@ -314,8 +316,9 @@ coda::ModelConfig llama_1b() {
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "all";
+  if (argc > 2) kernel_filter = argv[2];
   if (which != "gpt2" && which != "llama" && which != "all") {
-    std::fprintf(stderr, "usage: %s [gpt2|llama|all]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [gpt2|llama|all] [FILTER]\n", argv[0]);
     return 2;
   }
   try {

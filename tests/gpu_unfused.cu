@@ -78,8 +78,9 @@ struct ColumnSums {
 TEST(GpuUnfused, EmbeddingForwardBackward) {
   SKIP_WITHOUT_GPU();
   coda::Rng rng(1);
-  const int B = 4, T = 96, C = 768, V = 200;  // few ids: many repeats per bucket
-  for (bool positions : {true, false}) {
+  const int B = 4, T = 96, V = 200;  // few ids: many repeats per bucket
+  for (auto [C, positions] : {std::pair<int, bool>{768, true}, {768, false}, {2048, false}}) {
+    SCOPED_TRACE("C=" + std::to_string(C) + (positions ? " with positions" : ""));
     const auto tokens = random_ids(static_cast<size_t>(B) * T, V, rng);
     const auto wte = random_values(static_cast<size_t>(V) * C, rng), wpe = random_values(static_cast<size_t>(T) * C, rng);
     const auto dx = random_values(static_cast<size_t>(B) * T * C, rng);

@@ -2,16 +2,19 @@
 // every per-block partial (norm dgamma / dbeta).
 //
 // The grid is (column tiles of 256, row slabs, matrices). In a block, lane l of each of the 8 warps owns 8
-// adjacent columns (one 16-byte load per row) and the warps take interleaved rows of the slab, eight rows
-// in flight at a time; the warps' sums meet in shared memory and the slab's partial row goes to the
-// workspace. Then each block takes an integer ticket for its column tile; the block that draws the last
-// ticket sums the slabs' partials in slab order and adds them to `out`. The float additions therefore
-// happen in an order fixed by the launch shape alone: results are bitwise reproducible. Slabs are sized so
-// the grid holds about 16 warps per multiprocessor (with 8 rows in flight per warp, enough bytes to
-// saturate memory) while keeping the last block's serial work short.
+// adjacent columns (one 16-byte load per row) and the warps take interleaved rows of the slab, 16 bf16
+// rows (8 fp32 rows) in flight at a time, all their loads issued before any is added (past the slab's end a
+// lane reloads its last row and drops it, so no branch splits the loads); the warps' sums meet in shared
+// memory and the slab's partial row goes to the workspace. Then each block takes an integer ticket for its
+// column tile; the block that draws the last ticket sums the slabs' partials in slab order and adds them
+// to `out`. The float additions therefore happen in an order fixed by the launch shape alone: results are
+// bitwise reproducible. Slabs are sized so the grid is exactly the blocks that fit on the device at once:
+// one wave (a second, partial wave of a few blocks cost 15% at [N, 2304]), and the last block's serial work
+// stays short.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
@@ -25,10 +28,39 @@ constexpr int kWarps = 8;
 constexpr int kTileCols = 256;  // 32 lanes x 8 columns
 constexpr int kMaxSlabs = 128;
 constexpr int kMaxMatrices = 2;
-constexpr int kRowsInFlight = 8;
+constexpr int kSlabsInFlight = 8;  // per warp, when the last block sums the partials
 
-__device__ __forceinline__ void load8(float (&out)[8], const bf16* p) { load_bf16x8(out, p); }
-__device__ __forceinline__ void load8(float (&out)[8], const float* p) { load_f32x8(out, p); }
+// Rows in flight per warp: 16 of bf16 (16 bytes per lane each) or 8 of fp32 (32 bytes per lane each).
+template <typename T>
+constexpr int kRowsInFlight = std::is_same_v<T, bf16> ? 16 : 8;
+
+
+// A lane's 8 values of one row, kept as loaded until they are added, so that many rows can be in flight.
+template <typename T>
+struct Packet;
+template <>
+struct Packet<bf16> {
+  uint4 raw;
+  __device__ __forceinline__ void load(const bf16* p) { raw = load_packet(p); }
+  __device__ __forceinline__ void add_to(float (&acc)[8]) const {
+    float v[8];
+    unpack_bf16x8(v, raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += v[i];
+  }
+};
+template <>
+struct Packet<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float* p) {
+    a = reinterpret_cast<const float4*>(p)[0];
+    b = reinterpret_cast<const float4*>(p)[1];
+  }
+  __device__ __forceinline__ void add_to(float (&acc)[8]) const {
+    acc[0] += a.x, acc[1] += a.y, acc[2] += a.z, acc[3] += a.w, acc[4] += b.x, acc[5] += b.y, acc[6] += b.z,
+        acc[7] += b.w;
+  }
+};
 
 // The matrices of one launch (blockIdx.z picks one).
 template <typename T>
@@ -65,24 +97,17 @@ __global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(Matrices<T> mat
   const int row_end = min(rows, (slab + 1) * rows_per_slab);
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (active) {
-    int row = slab * rows_per_slab + warp;
-    for (; row + (kRowsInFlight - 1) * kWarps < row_end; row += kRowsInFlight * kWarps) {
-      float v[kRowsInFlight][8];
+  if (active)
+    for (int row = slab * rows_per_slab + warp; row < row_end; row += kRowsInFlight<T> * kWarps) {
+      // Past the slab's end a lane reloads its last row (a cache hit) and drops it: no branch between the loads.
+      Packet<T> v[kRowsInFlight<T>];
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) load8(v[u], x + static_cast<size_t>(row + u * kWarps) * ld + col);
+      for (int u = 0; u < kRowsInFlight<T>; ++u)
+        v[u].load(x + static_cast<size_t>(min(row + u * kWarps, row_end - 1)) * ld + col);
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += v[u][i];
+      for (int u = 0; u < kRowsInFlight<T>; ++u)
+        if (row + u * kWarps < row_end) v[u].add_to(acc);
     }
-    for (; row < row_end; row += kWarps) {
-      float v[8];
-      load8(v, x + static_cast<size_t>(row) * ld + col);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += v[i];
-    }
-  }
   const int out_col = tile * kTileCols + threadIdx.x;  // the column this thread finishes
   const float slab_sum = sum_over_warps(red, acc);
   if (slabs == 1) {
@@ -99,28 +124,19 @@ __global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(Matrices<T> mat
 
   // The partials of other blocks are read through L2 (__ldcg): this block's L1 never held them.
   float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (active) {
-    int s = warp;
-    for (; s + 3 * kWarps < slabs; s += 4 * kWarps) {
-      float4 v[4][2];
+  if (active)
+    for (int s = warp; s < slabs; s += kSlabsInFlight * kWarps) {
+      Packet<float> v[kSlabsInFlight];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float4* p = reinterpret_cast<const float4*>(partials + static_cast<size_t>(s + u * kWarps) * cols + col);
-        v[u][0] = __ldcg(p), v[u][1] = __ldcg(p + 1);
+      for (int u = 0; u < kSlabsInFlight; ++u) {
+        const size_t slab_row = static_cast<size_t>(min(s + u * kWarps, slabs - 1));
+        const float4* p = reinterpret_cast<const float4*>(partials + slab_row * cols + col);
+        v[u].a = __ldcg(p), v[u].b = __ldcg(p + 1);
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        total[0] += v[u][0].x, total[1] += v[u][0].y, total[2] += v[u][0].z, total[3] += v[u][0].w;
-        total[4] += v[u][1].x, total[5] += v[u][1].y, total[6] += v[u][1].z, total[7] += v[u][1].w;
-      }
+      for (int u = 0; u < kSlabsInFlight; ++u)
+        if (s + u * kWarps < slabs) v[u].add_to(total);
     }
-    for (; s < slabs; s += kWarps) {
-      const float4* p = reinterpret_cast<const float4*>(partials + static_cast<size_t>(s) * cols + col);
-      const float4 a = __ldcg(p), b = __ldcg(p + 1);
-      total[0] += a.x, total[1] += a.y, total[2] += a.z, total[3] += a.w;
-      total[4] += b.x, total[5] += b.y, total[6] += b.z, total[7] += b.w;
-    }
-  }
   __syncthreads();  // every thread has read red[] of the first round
   const float sum = sum_over_warps(red, total);
   if (out_col < cols) out[out_col] += sum;
@@ -136,8 +152,10 @@ void launch_column_sum(const Matrices<T>& matrices, int count, int rows, int col
                                 std::to_string(ws.max_cols));
   if (rows <= 0) return;
   const int tiles = (cols + kTileCols - 1) / kTileCols;
-  const int target_slabs = (sm_count() * 16 + count * tiles * kWarps - 1) / (count * tiles * kWarps);
-  const int slabs_wanted = std::max(1, std::min({target_slabs, rows / (kRowsInFlight * kWarps), kMaxSlabs}));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_kernel<T>, kWarps * 32, 0));
+  const int target_slabs = std::max(1, std::max(1, per_sm) * sm_count() / (count * tiles));
+  const int slabs_wanted = std::max(1, std::min({target_slabs, rows / (kRowsInFlight<T> * kWarps), kMaxSlabs}));
   const int rows_per_slab = (rows + slabs_wanted - 1) / slabs_wanted;
   const int slabs = (rows + rows_per_slab - 1) / rows_per_slab;
   column_sum_kernel<T><<<dim3(tiles, slabs, count), kWarps * 32, 0, stream>>>(matrices, rows, cols, ld, rows_per_slab,

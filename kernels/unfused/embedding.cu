@@ -1,14 +1,16 @@
 // Token (and GPT-2 position) embedding, forward and backward.
 //
-// Forward: x[n, :] = wte[tokens[n], :] + wpe[n % T, :], four 16-byte packets per thread in flight.
+// Forward: x[n, :] = wte[tokens[n], :] + wpe[n % T, :], a warp per row with the next row's token id
+// prefetched.
 //
 // Backward: a scatter-add of the rows of dx into dwte (by token) and dwpe (by position), fp32.
 // Atomics would make the sums depend on scheduling. Instead the host groups the rows of the batch by
 // token with a counting sort (O(N + vocab), run while the GPU computes the forward pass), and the kernel
 // gives every distinct token one warp that sums that token's rows in ascending row order and adds the
 // sum into its dwte row: one writer per row, a fixed order, no atomics. The same launch gives each
-// position t one more warp for dwpe[t] = sum over b of dx[b*T + t]. A token that fills a large part of
-// the batch makes one long warp; with natural text the longest buckets are a few percent of the rows.
+// position t one more warp for dwpe[t] = sum over b of dx[b*T + t] (these warps come first: they are the
+// long ones). A token that fills a large part of the batch makes one long warp; with natural text the
+// longest buckets are a few percent of the rows.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -21,107 +23,114 @@ namespace coda::unfused {
 
 namespace {
 
-constexpr int kForwardILP = 4;  // packets per thread, their loads issued together
-constexpr int kBackwardWarps = 8;
+constexpr int kForwardWarps = 8;
+constexpr int kBackwardWarps = 4;  // small blocks: a block's slot frees as soon as its few warps finish
 
-// A persistent grid: thread i handles packets i, i + stride, ... in groups of kForwardILP, the group's
-// token ids first, then all its gathers.
-__global__ void __launch_bounds__(256) embedding_forward_kernel(bf16* __restrict__ x, const int32_t* __restrict__ tokens,
-                                                                const bf16* __restrict__ wte,
-                                                                const bf16* __restrict__ wpe, int N, int T, int C) {
-  const int chunks = C / 8;
-  const size_t total = static_cast<size_t>(N) * chunks, stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; first < total;
-       first += kForwardILP * stride) {
-    int token[kForwardILP];
+// A persistent grid: each warp walks rows warp, warp + all warps, ...; lane l gathers packets l + 32 i of the
+// row. The token id of the warp's next row is loaded while the current row's gathers are in flight, so a
+// row costs one memory round trip, not two (id, then row).
+template <int kChunks, bool kPositions>
+__global__ void __launch_bounds__(kForwardWarps * 32) embedding_forward_kernel(bf16* __restrict__ x,
+                                                                               const int32_t* __restrict__ tokens,
+                                                                               const bf16* __restrict__ wte,
+                                                                               const bf16* __restrict__ wpe, int N,
+                                                                               int T, int C) {
+  const int lane = threadIdx.x % 32, chunks = C / 8, all_warps = gridDim.x * kForwardWarps;
+  int row = blockIdx.x * kForwardWarps + threadIdx.x / 32;
+  int token = row < N ? tokens[row] : 0;
+  for (; row < N; row += all_warps) {
+    const int next_token = row + all_warps < N ? tokens[row + all_warps] : 0;
+    const bf16* word_row = wte + static_cast<size_t>(token) * C;
+    const bf16* position_row = wpe + static_cast<size_t>(row % T) * C;
+    uint4 word[kChunks], position[kChunks];
 #pragma unroll
-    for (int u = 0; u < kForwardILP; ++u) {
-      const size_t idx = first + u * stride;
-      token[u] = idx < total ? tokens[idx / chunks] : 0;
+    for (int i = 0; i < kChunks; ++i) {
+      const int k = lane + 32 * i;
+      if (k < chunks) {
+        word[i] = load_packet(word_row + 8 * k);
+        if (kPositions) position[i] = load_packet(position_row + 8 * k);
+      }
     }
-    uint4 word[kForwardILP], position[kForwardILP];
 #pragma unroll
-    for (int u = 0; u < kForwardILP; ++u) {
-      const size_t idx = first + u * stride;
-      if (idx >= total) continue;
-      const int n = static_cast<int>(idx / chunks), col = static_cast<int>(idx % chunks) * 8;
-      word[u] = load_packet(wte + static_cast<size_t>(token[u]) * C + col);
-      if (wpe != nullptr) position[u] = load_packet(wpe + static_cast<size_t>(n % T) * C + col);
-    }
-#pragma unroll
-    for (int u = 0; u < kForwardILP; ++u) {
-      const size_t idx = first + u * stride;
-      if (idx >= total) continue;
+    for (int i = 0; i < kChunks; ++i) {
+      const int k = lane + 32 * i;
+      if (k >= chunks) continue;
       float v[8];
-      unpack_bf16x8(v, word[u]);
-      if (wpe != nullptr) {
+      unpack_bf16x8(v, word[i]);
+      if (kPositions) {
         float p[8];
-        unpack_bf16x8(p, position[u]);
+        unpack_bf16x8(p, position[i]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] += p[j];
       }
-      store_bf16x8(x + 8 * idx, v);
+      store_bf16x8(x + static_cast<size_t>(row) * C + 8 * k, v);
     }
+    token = next_token;
   }
 }
 
+// Rows of dx a backward warp keeps in flight: as many as the registers allow next to its fp32 accumulator
+// row (narrow rows, C <= 768, also keep 24 warps per multiprocessor: at most 80 registers).
+constexpr int rows_in_flight(int chunks) { return chunks <= 3 ? 3 : chunks <= 8 ? 2 : 1; }
+
 // One warp adds the sum of dx rows row_at(0..count) into dst (one fp32 row of C); lane l owns packets
-// l + 32 i. The destination is read once, rows are added two at a time (all their loads in flight), and
-// the destination is written once.
+// l + 32 i. The destination is read once, rows are added in order, kRows at a time with all their loads in
+// flight (past the end a lane reloads the last row and drops it), and the destination is written once.
 template <int kChunks, typename RowAt>
 __device__ void add_rows(float* __restrict__ dst, const bf16* __restrict__ dx, int count, int C, RowAt row_at) {
+  constexpr int kRows = rows_in_flight(kChunks);
   const int lane = threadIdx.x % 32, chunks = C / 8;
   float acc[kChunks][8];
 #pragma unroll
   for (int i = 0; i < kChunks; ++i)
     if (lane + 32 * i < chunks) load_f32x8(acc[i], dst + 8 * (lane + 32 * i));
-  int r = 0;
-  for (; r < count; r += 2) {
-    const bool second = r + 1 < count;
-    const size_t row_a = static_cast<size_t>(row_at(r)) * C, row_b = second ? static_cast<size_t>(row_at(r + 1)) * C : 0;
-    uint4 a[kChunks], b[kChunks];
+  for (int r = 0; r < count; r += kRows) {
+    uint4 v[kRows][kChunks];
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const int k = lane + 32 * i;
-      if (k < chunks) {
-        a[i] = load_packet(dx + row_a + 8 * k);
-        if (second) b[i] = load_packet(dx + row_b + 8 * k);
+    for (int u = 0; u < kRows; ++u) {
+      const size_t row = static_cast<size_t>(row_at(min(r + u, count - 1))) * C;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int k = lane + 32 * i;
+        if (k < chunks) v[u][i] = load_packet(dx + row + 8 * k);
       }
     }
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i)
-      if (lane + 32 * i < chunks) {
-        float va[8], vb[8];
-        unpack_bf16x8(va, a[i]);
-        if (second) unpack_bf16x8(vb, b[i]);
+    for (int u = 0; u < kRows; ++u)
+      if (r + u < count)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] += second ? va[j] + vb[j] : va[j];
-      }
+        for (int i = 0; i < kChunks; ++i)
+          if (lane + 32 * i < chunks) {
+            float f[8];
+            unpack_bf16x8(f, v[u][i]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[i][j] += f[j];
+          }
   }
 #pragma unroll
   for (int i = 0; i < kChunks; ++i)
     if (lane + 32 * i < chunks) store_f32x8(dst + 8 * (lane + 32 * i), acc[i]);
 }
 
-// Warps [0, num_buckets): one token each; warps [num_buckets, num_buckets + T): one position each.
+// Warps [0, P): one position each (P = T with dwpe, else 0); warps [P, P + num_buckets): one token each.
+// The position warps sum B rows each, far more than a token's few, so they come first: the block scheduler
+// starts them at once and the short token warps fill in around them, instead of a tail of long warps.
 template <int kChunks>
-__global__ void __launch_bounds__(kBackwardWarps * 32) embedding_backward_kernel(float* __restrict__ dwte,
-                                                                                 float* __restrict__ dwpe,
-                                                                                 const bf16* __restrict__ dx,
-                                                                                 const int32_t* __restrict__ buckets,
-                                                                                 int num_buckets, int B, int T, int C) {
-  const int N = B * T;
+__global__ void __launch_bounds__(kBackwardWarps * 32, kChunks <= 3 ? 24 / kBackwardWarps : 1)
+    embedding_backward_kernel(float* __restrict__ dwte, float* __restrict__ dwpe, const bf16* __restrict__ dx,
+                              const int32_t* __restrict__ buckets, int num_buckets, int B, int T, int C) {
+  const int N = B * T, positions = dwpe != nullptr ? T : 0;
   const int32_t* rows = buckets;
   const int32_t* start = buckets + N;
   const int32_t* token = start + num_buckets + 1;
   const int item = blockIdx.x * kBackwardWarps + threadIdx.x / 32;
-  if (item < num_buckets) {
-    const int32_t* bucket_rows = rows + start[item];
-    add_rows<kChunks>(dwte + static_cast<size_t>(token[item]) * C, dx, start[item + 1] - start[item], C,
+  if (item < positions) {
+    add_rows<kChunks>(dwpe + static_cast<size_t>(item) * C, dx, B, C, [&](int b) { return b * T + item; });
+  } else if (item < positions + num_buckets) {
+    const int bucket = item - positions;
+    const int32_t* bucket_rows = rows + start[bucket];
+    add_rows<kChunks>(dwte + static_cast<size_t>(token[bucket]) * C, dx, start[bucket + 1] - start[bucket], C,
                       [&](int i) { return bucket_rows[i]; });
-  } else if (dwpe != nullptr && item < num_buckets + T) {
-    const int t = item - num_buckets;
-    add_rows<kChunks>(dwpe + static_cast<size_t>(t) * C, dx, B, C, [&](int b) { return b * T + t; });
   }
 }
 
@@ -129,15 +138,17 @@ __global__ void __launch_bounds__(kBackwardWarps * 32) embedding_backward_kernel
 
 void embedding_forward(bf16* x, const int32_t* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C,
                        cudaStream_t stream) {
-  if (C % 8 != 0) throw std::invalid_argument("embedding_forward: C = " + std::to_string(C) + " must be a multiple of 8");
-  const size_t packets = static_cast<size_t>(B) * T * (C / 8);
-  if (packets == 0) return;
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, embedding_forward_kernel, 256, 0));
-  const size_t blocks = std::min<size_t>(static_cast<size_t>(std::max(1, per_sm)) * sm_count(),
-                                         blocks_for((packets + kForwardILP - 1) / kForwardILP, 256));
-  embedding_forward_kernel<<<static_cast<unsigned int>(blocks), 256, 0, stream>>>(x, tokens, wte, wpe, B * T, T, C);
-  CUDA_CHECK_LAUNCH();
+  const int N = B * T;
+  dispatch_chunks(C, "embedding_forward", [&](auto chunks) {
+    if (N == 0) return;
+    auto kernel = wpe != nullptr ? embedding_forward_kernel<decltype(chunks)::value, true>
+                                 : embedding_forward_kernel<decltype(chunks)::value, false>;
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kForwardWarps * 32, 0));
+    const int blocks = std::max(1, std::min(std::max(1, per_sm) * sm_count(), (N + kForwardWarps - 1) / kForwardWarps));
+    kernel<<<blocks, kForwardWarps * 32, 0, stream>>>(x, tokens, wte, wpe, N, T, C);
+    CUDA_CHECK_LAUNCH();
+  });
 }
 
 TokenBuckets group_rows_by_token(const int32_t* tokens, int N, int vocab_size) {
