@@ -68,7 +68,7 @@ using CodaFactory = std::unique_ptr<CudaBackend> (*)(const ModelConfig&, int, in
 CodaFactory coda_factory(Arch arch) {
   switch (arch) {
     case Arch::Llama: return make_coda_llama_backend;
-    case Arch::GPT2: return nullptr;  // CodaGpt2Backend (coda_gpt2.cu) not built yet
+    case Arch::GPT2: return make_coda_gpt2_backend;
   }
   return nullptr;
 }

@@ -68,5 +68,6 @@ bool coda_supports(Arch arch);
 // The architectures' CODA backends, not allocated yet (coda_llama.cu, ...): the entries of the one
 // switch in coda_backend.cu (coda_factory) that make_coda_backend and coda_supports read.
 std::unique_ptr<CudaBackend> make_coda_llama_backend(const ModelConfig& config, int max_batch, int max_seq_len);
+std::unique_ptr<CudaBackend> make_coda_gpt2_backend(const ModelConfig& config, int max_batch, int max_seq_len);
 
 }  // namespace coda
