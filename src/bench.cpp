@@ -30,7 +30,17 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup) {
   for (auto& token : targets) token = static_cast<int32_t>(rng.below(model.vocab_size));
 
   std::vector<BenchResult> results;
-  for (const auto& [device, kernels] : available_backends(model.arch)) {
+  // --kernels coda|unfused times that mode alone; auto times every mode of this build side by side.
+  std::vector<std::pair<std::string, std::string>> backends = available_backends(model.arch);
+  if (config.kernels != "auto") {
+    backends.erase(std::remove_if(backends.begin(), backends.end(),
+                                  [&](const auto& b) { return b.second != config.kernels; }),
+                   backends.end());
+    if (backends.empty())
+      throw std::invalid_argument("bench: kernels \"" + config.kernels + "\" is not available for " +
+                                  arch_name(model.arch) + " on this machine");
+  }
+  for (const auto& [device, kernels] : backends) {
     RunConfig run = config;
     run.device = device;
     run.kernels = kernels;

@@ -45,6 +45,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 #include "kernels/sm90/sm90.cuh"
 
 namespace coda {
@@ -605,6 +606,7 @@ size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         void* workspace, const AttentionShape& shape, cudaStream_t stream,
                         const AttentionWriteout* writeout) {
+  const profile::Region region("attention backward", stream);
   validate_attention_shape(shape);
   if (writeout != nullptr) validate_writeout(*writeout);
   if (shape.head_dim == 64)

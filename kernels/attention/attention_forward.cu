@@ -35,6 +35,7 @@
 #include "kernels/attention/attention.cuh"
 #include "kernels/attention/attention_device.cuh"
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 #include "kernels/sm90/sm90.cuh"
 
 namespace coda {
@@ -250,6 +251,7 @@ void forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& s, cu
 }  // namespace
 
 void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& shape, cudaStream_t stream) {
+  const profile::Region region("attention forward", stream);
   validate_attention_shape(shape);
   if (shape.head_dim == 64)
     forward<64>(out, lse, qkv, shape, stream);

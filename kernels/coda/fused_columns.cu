@@ -20,6 +20,7 @@
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/fused_cluster.cuh"
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 #include "kernels/unfused/vec.cuh"
 
 namespace coda::fused {
@@ -133,6 +134,7 @@ void require_float4_columns(const char* what, int n, int ld) {
 
 void add_column_partials(float* grad, const float* partials, int groups, int ld, int n, float scale,
                          cudaStream_t stream) {
+  const profile::Region region("column partials", stream);
   require_float4_columns("fused::add_column_partials", n, ld);
   if (groups <= 0 || n == 0) return;
   launch_clustered(add_column_partials_kernel, cluster_blocks_for(groups), (n + kTileCols - 1) / kTileCols, kThreads,
@@ -141,6 +143,7 @@ void add_column_partials(float* grad, const float* partials, int groups, int ld,
 
 void ln_wgrad_correction(float* dW, float* dbias, const float* col_a, const float* col_b, int groups, int rows,
                          int d, const bf16* gamma, const bf16* beta, cudaStream_t stream) {
+  const profile::Region region("ln wgrad correction", stream);
   require_float4_columns("fused::ln_wgrad_correction", rows, rows);
   if (d % 8 != 0)
     throw std::invalid_argument("fused::ln_wgrad_correction: d = " + std::to_string(d) + " must be a multiple of 8");

@@ -27,6 +27,7 @@
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/fused_cluster.cuh"
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 #include "kernels/unfused/vec.cuh"
 
 namespace coda::fused {
@@ -191,6 +192,7 @@ void launch_dlogits(const DlogitsArgs& args, cudaStream_t stream) {
 int dlogits_group_rows() { return kGroupRows; }
 
 void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
+  const profile::Region region("dlogits", stream);
   if (args.Vp % 8 != 0 || args.vocab < 1 || args.vocab > args.Vp)
     throw std::invalid_argument("fused::dlogits: Vp = " + std::to_string(args.Vp) + " must be a multiple of 8 and vocab = " +
                                 std::to_string(args.vocab) + " in [1, Vp]");

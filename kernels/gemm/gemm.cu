@@ -112,6 +112,12 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
   return l;
 }
 
+std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, int K) {
+  const char* name = layout == GemmLayout::Forward ? "fwd" : layout == GemmLayout::Dgrad ? "dgrad" : "wgrad";
+  return std::string("gemm ") + name + " " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) +
+         " " + gemm_tile_name(tile);
+}
+
 }  // namespace gemm_detail
 
 // Measured (docs/GEMM.md): ping-pong wins where the epilogue is a noticeable share of a tile (K up to a

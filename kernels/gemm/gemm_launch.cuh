@@ -9,10 +9,14 @@
 #pragma once
 #include <cuda.h>
 
+#include <string>
+#include <typeinfo>
+
 #include "kernels/cuda_check.cuh"
 #include "kernels/epilogue/epilogue.cuh"
 #include "kernels/gemm/gemm.cuh"
 #include "kernels/gemm/gemm_kernel.cuh"
+#include "kernels/kernel_profile.cuh"
 
 namespace coda {
 namespace gemm_detail {
@@ -39,6 +43,9 @@ void launch(const Launch& l, const Program& program, cudaStream_t stream) {
   CUDA_CHECK_LAUNCH();
 }
 
+// "gemm fwd 32768x2304x768 pingpong128x128" (the profile's label of a launch).
+std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, int K);
+
 template <class Program>
 constexpr bool is_identity = std::is_same_v<Program, epi::Program<>>;
 
@@ -52,6 +59,10 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
   constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
   if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K);
+  const profile::Region region(profile::enabled() ? gemm_profile_label(kLayout, tile, M, N, K) + " " +
+                                                        profile::type_name(typeid(Program).name())
+                                                  : std::string(),
+                               stream);
   const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,
                            A, B, M, N, K, accumulate, is_identity<Program>, stream);
   if (tile == GemmTile::Cooperative128x256)
