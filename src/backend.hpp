@@ -75,7 +75,7 @@ class Backend {
 std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len);
 
 // The CUDA backend (cuda_backend.hpp) on the current device, kernels = "unfused" (cuBLASLt GEMMs plus one
-// kernel per operation). Throws std::invalid_argument for an unknown kernels mode and std::runtime_error,
+// kernel per operation) or "coda" (GEMM-epilogue programs, coda_backend.hpp). Throws std::invalid_argument for an unknown kernels mode and std::runtime_error,
 // with the numbers, when the model and batch do not fit in the free device memory.
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
                                            int max_seq_len);

@@ -30,7 +30,7 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup) {
   for (auto& token : targets) token = static_cast<int32_t>(rng.below(model.vocab_size));
 
   std::vector<BenchResult> results;
-  for (const auto& [device, kernels] : available_backends()) {
+  for (const auto& [device, kernels] : available_backends(model.arch)) {
     RunConfig run = config;
     run.device = device;
     run.kernels = kernels;

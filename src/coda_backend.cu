@@ -1,6 +1,9 @@
 // The pieces of the CODA mode that both architectures share; see coda_backend.hpp.
 #include "coda_backend.hpp"
 
+#include <stdexcept>
+#include <string>
+
 #include "kernels/coda/fused.cuh"
 
 namespace coda {
@@ -53,6 +56,35 @@ void CodaBackend::embedding_forward(int B, int T) {
 void CodaBackend::loss_forward(int B, int T) {
   fused::loss_from_partials(acts_.losses, acts_.logits_lse, lse_partials_, lse_count_, target_logit_, B * T,
                             stream_);
+}
+
+// ---- the architectures' CODA backends: the one switch ----
+
+namespace {
+
+using CodaFactory = std::unique_ptr<CudaBackend> (*)(const ModelConfig&, int, int);
+
+// nullptr: the architecture's CODA mode is not built yet.
+CodaFactory coda_factory(Arch arch) {
+  switch (arch) {
+    case Arch::Llama: return make_coda_llama_backend;
+    case Arch::GPT2: return make_coda_gpt2_backend;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool coda_supports(Arch arch) { return coda_factory(arch) != nullptr; }
+
+std::unique_ptr<CudaBackend> make_coda_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
+  const CodaFactory factory = coda_factory(config.arch);
+  if (factory == nullptr)
+    throw std::invalid_argument(std::string("kernels: the coda mode of ") + arch_name(config.arch) +
+                                " is not built yet (use kernels = unfused)");
+  std::unique_ptr<CudaBackend> backend = factory(config, max_batch, max_seq_len);
+  backend->allocate();
+  return backend;
 }
 
 }  // namespace coda

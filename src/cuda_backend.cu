@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "coda_backend.hpp"
 #include "distributed.hpp"
 #include "kernels/cuda_check.cuh"
 
@@ -530,8 +531,10 @@ void CudaBackend::zero_grad() {
 
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
                                            int max_seq_len) {
+  if (kernels == "coda") return make_coda_backend(config, max_batch, max_seq_len);
   if (kernels != "unfused")
-    throw std::invalid_argument("kernels: unknown mode \"" + kernels + "\" for the cuda backend (this build has: unfused)");
+    throw std::invalid_argument("kernels: unknown mode \"" + kernels +
+                                "\" for the cuda backend (this build has: unfused, coda)");
   auto backend = std::make_unique<CudaBackend>(config, max_batch, max_seq_len);
   backend->allocate();
   return backend;

@@ -40,6 +40,7 @@
 #include <stdexcept>
 
 #include "checkpoint.hpp"
+#include "coda_backend.hpp"
 #include "data.hpp"
 #include "dist_plan.hpp"
 #include "distributed.hpp"
@@ -59,21 +60,25 @@ float lr_at(const RunConfig& c, int step) {
 }
 
 // ---- Backend selection: the only code that knows which backends exist. --device auto takes the GPU
-// when there is one; --kernels auto is the best CUDA mode this build has (unfused until coda lands).
+// when there is one; --kernels auto is the best CUDA mode this build has for the architecture: coda
+// where it is built (coda_supports), unfused otherwise.
 namespace {
 bool use_cuda(const std::string& device) { return device == "cuda" || (device == "auto" && cuda_device_available()); }
 }  // namespace
 
 std::unique_ptr<Backend> make_backend(const RunConfig& config) {
-  if (use_cuda(config.device))
-    return make_cuda_backend(config.model, config.kernels == "auto" ? "unfused" : config.kernels, config.batch_size,
+  if (use_cuda(config.device)) {
+    const std::string best = coda_supports(config.model.arch) ? "coda" : "unfused";
+    return make_cuda_backend(config.model, config.kernels == "auto" ? best : config.kernels, config.batch_size,
                              config.seq_len);
+  }
   return make_cpu_backend(config.model, config.batch_size, config.seq_len);
 }
 
-std::vector<std::pair<std::string, std::string>> available_backends() {
-  if (use_cuda("auto")) return {{"cuda", "unfused"}};
-  return {{"cpu", "auto"}};
+std::vector<std::pair<std::string, std::string>> available_backends(Arch arch) {
+  if (!use_cuda("auto")) return {{"cpu", "auto"}};
+  if (coda_supports(arch)) return {{"cuda", "unfused"}, {"cuda", "coda"}};
+  return {{"cuda", "unfused"}};
 }
 
 double peak_flops(const std::string& backend_name) {

@@ -20,8 +20,9 @@ float lr_at(const RunConfig& config, int step);
 // ("cpu", "cuda", or "auto": the best one this machine runs) with config.kernels, sized for
 // config.batch_size sequences of config.seq_len tokens.
 std::unique_ptr<Backend> make_backend(const RunConfig& config);
-// (device, kernels) of every backend this build and machine can run: what `coda bench` times.
-std::vector<std::pair<std::string, std::string>> available_backends();
+// (device, kernels) of every backend this build and machine can run for a model of arch, in the order
+// `coda bench` times them (the unfused mode first, so the bench's "vs first" column is coda's speedup).
+std::vector<std::pair<std::string, std::string>> available_backends(Arch arch);
 // Peak dense FLOP/s of the device a backend (by its name()) runs on, for MFU; 0 when unknown.
 double peak_flops(const std::string& backend_name);
 

@@ -90,20 +90,27 @@ Vec column_sums(const Vec& partials, int M, int N) {
   return s;
 }
 
-// Per-row RMSNorm rstd from h^2 partials (what a row-broadcast of the next GEMM uses).
-Vec rms_rstd_rows(const Vec& h) {
-  const Vec p = tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j] * h[i * kD + j]; });
-  Vec r(kM);
-  for (int i = 0; i < kM; ++i) r[i] = prog::rms_rstd(&p[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
-  return r;
-}
-
 // ---- Llama --------------------------------------------------------------------------------------------
+// gamma is a bf16 parameter vector (the weight copy the GPU reads), so the reference uses its bf16 value.
+
+// The row partials of h^2 an RMSNorm's producer writes (per N tile), as the NormPartials the programs
+// finish, and the rstd per row they give.
+struct RmsPartials {
+  Vec sumsq;
+  explicit RmsPartials(const Vec& h)
+      : sumsq(tile_row_sums(kM, kD, [&](int i, int j) { return h[i * kD + j] * h[i * kD + j]; })) {}
+  prog::NormPartials stats() const { return {nullptr, sumsq.data(), tiles(kD), kD, kEps}; }
+  Vec rstd() const {
+    Vec r(kM);
+    for (int i = 0; i < kM; ++i) r[i] = stats().rms_rstd(i);
+    return r;
+  }
+};
 
 TEST(CodaLlama, QkvRowScaleAndRopeEqualRmsNormMatmulRope) {
   const int n_head = 2, n_kv = 1, hd = 16, N = (n_head + 2 * n_kv) * hd;
   const float theta = 10000.0f;
-  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 1), gamma = random_vec(kD, 0.5f, 1.5f, 2);
+  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 1), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 2));
   const Vec w = random_vec(N * kD, -0.15f, 0.15f, 3);
   Vec u(kM * kD), rstd_ref(kM), z(kM * N);
   ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
@@ -112,26 +119,28 @@ TEST(CodaLlama, QkvRowScaleAndRopeEqualRmsNormMatmulRope) {
 
   Vec acc(kM * N), out(kM * N, NAN);
   ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, N);
-  const Vec rstd = rms_rstd_rows(h);
+  const RmsPartials partials(h);
   const epi::Rope rope{kT, hd, (n_head + n_kv) * hd, std::log2(theta)};
-  epi::evaluate_on_host(prog::llama::qkv_program(rstd.data(), rope), acc.data(), kM, N, kTile, out.data());
+  epi::evaluate_on_host(prog::llama::qkv_program(partials.stats(), rope), acc.data(), kM, N, kTile, out.data());
   EXPECT_CLOSE(out, z, kFp32Tol);
+  EXPECT_CLOSE(partials.rstd(), rstd_ref, kFp32Tol);
 }
 
 TEST(CodaLlama, ResidualAddWritesGammaScaledOutputAndRmsPartials) {
   const Vec x = random_vec(kM * kD, -1.0f, 1.0f, 4), w = random_vec(kD * kD, -0.15f, 0.15f, 5);
-  const Vec res = round_bf16(random_vec(kM * kD, -2.0f, 2.0f, 6)), gamma = random_vec(kD, 0.5f, 1.5f, 7);
+  const Vec res = round_bf16(random_vec(kM * kD, -2.0f, 2.0f, 6)), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 7));
   Vec acc(kM * kD), h(kM * kD), u(kM * kD), rstd_ref(kM);
   ref::matmul_forward(acc.data(), x.data(), w.data(), nullptr, kM, kD, kD);
   for (size_t i = 0; i < h.size(); ++i) h[i] = acc[i] + res[i];
   ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
 
-  const Bf16Vec res_b = to_bf16(res);
+  const Bf16Vec res_b = to_bf16(res), gamma_b = to_bf16(gamma);
   Bf16Vec h_aux(kM * kD);
   Vec sumsq(kM * tiles(kD), NAN), O(kM * kD, NAN), rstd(kM), u_coda(kM * kD);
-  epi::evaluate_on_host(prog::llama::residual_program(res_b.data(), h_aux.data(), kD, gamma.data(), sumsq.data()),
+  epi::evaluate_on_host(prog::llama::residual_program(res_b.data(), h_aux.data(), kD, gamma_b.data(), sumsq.data()),
                         acc.data(), kM, kD, kTile, O.data());
-  for (int i = 0; i < kM; ++i) rstd[i] = prog::rms_rstd(&sumsq[size_t(i) * tiles(kD)], tiles(kD), kD, kEps);
+  const prog::NormPartials stats{nullptr, sumsq.data(), tiles(kD), kD, kEps};
+  for (int i = 0; i < kM; ++i) rstd[i] = prog::RmsRstd{stats}(i);
   for (int i = 0; i < kM * kD; ++i) u_coda[i] = rstd[i / kD] * O[i];  // what the next GEMM's row scale makes of O
   EXPECT_CLOSE(to_float(h_aux), h, kBf16Tol);
   EXPECT_CLOSE(O, mul_cols(h, gamma, kM, kD), kFp32Tol);
@@ -141,7 +150,7 @@ TEST(CodaLlama, ResidualAddWritesGammaScaledOutputAndRmsPartials) {
 
 TEST(CodaLlama, GateUpRowScaleSwiGluKeepsGateAndUp) {
   const int F = 48;
-  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 8), gamma = random_vec(kD, 0.5f, 1.5f, 9);
+  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 8), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 9));
   const Vec w = random_vec(2 * F * kD, -0.2f, 0.2f, 10);
   Vec u(kM * kD), rstd_ref(kM), gu(kM * 2 * F), a(kM * F);
   ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
@@ -150,81 +159,90 @@ TEST(CodaLlama, GateUpRowScaleSwiGluKeepsGateAndUp) {
 
   Vec acc(kM * 2 * F), out(kM * F, NAN);
   ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, 2 * F);
-  const Vec rstd = rms_rstd_rows(h);
+  const RmsPartials partials(h);
   Bf16Vec gu_aux(kM * 2 * F);
-  epi::evaluate_on_host(prog::llama::gate_up_program(rstd.data(), gu_aux.data(), 2 * F), acc.data(), kM, 2 * F,
+  epi::evaluate_on_host(prog::llama::gate_up_program(partials.stats(), gu_aux.data(), 2 * F), acc.data(), kM, 2 * F,
                         kTile, out.data());
   EXPECT_CLOSE(out, a, kFp32Tol);
   EXPECT_CLOSE(to_float(gu_aux), gu, kBf16Tol);
 }
 
-TEST(CodaLlama, LmHeadLossFromLsePartialsAndTargetLogit) {
-  const int V = 96;
-  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 11), gamma = random_vec(kD, 0.5f, 1.5f, 12);
-  const Vec w = random_vec(V * kD, -0.3f, 0.3f, 13);
+// The head's GEMM runs over the padded vocabulary (Vp columns, the padded rows of the weight are live
+// values here so that leaving them out of the log-sum-exp is what makes the loss right).
+TEST(CodaLlama, LmHeadLossFromLsePartialsBelowTheVocabularyLimit) {
+  const int V = 83, Vp = 128;
+  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 11), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 12));
+  const Vec w = random_vec(Vp * kD, -0.3f, 0.3f, 13);
   std::vector<int32_t> targets(kM);
   std::mt19937 rng(14);
   for (auto& t : targets) t = int32_t(rng() % V);
-  Vec u(kM * kD), rstd_ref(kM), logits(kM * V), losses(kM);
+  Vec u(kM * kD), rstd_ref(kM), logits(kM * Vp), losses(kM);
   ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
-  ref::matmul_forward(logits.data(), u.data(), w.data(), nullptr, kM, kD, V);
-  ref::crossentropy_forward(losses.data(), logits.data(), targets.data(), kM, V, V);
+  ref::matmul_forward(logits.data(), u.data(), w.data(), nullptr, kM, kD, Vp);
+  ref::crossentropy_forward(losses.data(), logits.data(), targets.data(), kM, V, Vp);
 
-  Vec acc(kM * V), out(kM * V, NAN), target_logit(kM, NAN), loss(kM);
-  ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, V);
-  const Vec rstd = rms_rstd_rows(h);
-  std::vector<epi::LogSumExp::Out> lse(kM * tiles(V));
-  epi::evaluate_on_host(prog::llama::lm_head_program(rstd.data(), targets.data(), target_logit.data(), lse.data()),
-                        acc.data(), kM, V, kTile, out.data());
-  for (int i = 0; i < kM; ++i) loss[i] = epi::merge_lse(&lse[size_t(i) * tiles(V)], tiles(V)) - target_logit[i];
+  Vec acc(kM * Vp), out(kM * Vp, NAN), target_logit(kM, NAN), loss(kM);
+  ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, Vp);
+  const RmsPartials partials(h);
+  std::vector<epi::LogSumExp::Out> lse(kM * tiles(Vp));
+  epi::evaluate_on_host(prog::llama::lm_head_program(partials.stats(), targets.data(), target_logit.data(),
+                                                     lse.data(), V),
+                        acc.data(), kM, Vp, kTile, out.data());
+  for (int i = 0; i < kM; ++i) loss[i] = epi::merge_lse(&lse[size_t(i) * tiles(Vp)], tiles(Vp)) - target_logit[i];
   EXPECT_CLOSE(out, logits, kFp32Tol);
   EXPECT_CLOSE(loss, losses, kFp32Tol);
 }
 
-TEST(CodaLlama, NormBackwardDgradThroughDzZIdentity) {
+// The dgrad of a normed GEMM gets dz' = r dz (the scaled-gradient convention), the <dz, z> partials of
+// the unscaled dz, and must give the RMSNorm backward of du = dz W.
+TEST(CodaLlama, NormBackwardDgradOfScaledGradientThroughDzZIdentity) {
   const int N = 96;  // the normed GEMM's output width (e.g. qkv)
-  const Vec h = round_bf16(random_vec(kM * kD, -2.0f, 2.0f, 15)), gamma = random_vec(kD, 0.5f, 1.5f, 16);
+  const Vec h = round_bf16(random_vec(kM * kD, -2.0f, 2.0f, 15)), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 16));
   const Vec w = random_vec(N * kD, -0.15f, 0.15f, 17), dz = random_vec(kM * N, -1.0f, 1.0f, 18);
-  Vec u(kM * kD), rstd_ref(kM), z(kM * N), dh(kM * kD, 0.0f), dgamma(kD, 0.0f);
+  Vec u(kM * kD), rstd_ref(kM), z(kM * N), dh0 = random_vec(kM * kD, -0.5f, 0.5f, 19), dgamma(kD, 0.0f);
   ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
   ref::matmul_forward(z.data(), u.data(), w.data(), nullptr, kM, kD, N);
-  const Vec du = dgrad_acc(dz, w, kM, kD, N);
-  ref::rmsnorm_backward(dh.data(), dgamma.data(), du.data(), h.data(), gamma.data(), rstd_ref.data(), kM, kD);
+  Vec dh = dh0;
+  ref::rmsnorm_backward(dh.data(), dgamma.data(), dgrad_acc(dz, w, kM, kD, N).data(), h.data(), gamma.data(),
+                        rstd_ref.data(), kM, kD);
 
-  // <dz, z> partials from the producer of dz, finished into k = r^2 <dz, z> / d.
+  const RmsPartials partials(h);
+  const Vec rstd = partials.rstd();
   const Vec dot = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * z[i * N + j]; });
-  const Vec rstd = rms_rstd_rows(h);
-  Vec k(kM);
-  for (int i = 0; i < kM; ++i) k[i] = prog::rms_backward_coef(&dot[size_t(i) * tiles(N)], tiles(N), rstd[i], kD);
-  const Bf16Vec h_b = to_bf16(h);
+  Vec dz_scaled(dz.size());
+  for (size_t i = 0; i < dz.size(); ++i) dz_scaled[i] = rstd[i / N] * dz[i];
+  const Bf16Vec h_b = to_bf16(h), gamma_b = to_bf16(gamma);
   Vec out(kM * kD, NAN), dgamma_p(prog::column_partial_groups(kM) * kD, NAN);
-  epi::evaluate_on_host(prog::llama::norm_backward_program(rstd.data(), h_b.data(), kD, gamma.data(), k.data(),
-                                                           dgamma_p.data()),
-                        du.data(), kM, kD, kTile, out.data());
+  epi::evaluate_on_host(prog::llama::norm_backward_program(partials.stats(), dot.data(), tiles(N), h_b.data(), kD,
+                                                           gamma_b.data(), dgamma_p.data()),
+                        dgrad_acc(dz_scaled, w, kM, kD, N).data(), kM, kD, kTile, out.data());
+  for (size_t i = 0; i < out.size(); ++i) out[i] += dh0[i];  // the GEMM adds into the residual gradient
   EXPECT_CLOSE(out, dh, kFp32Tol);
   EXPECT_CLOSE(column_sums(dgamma_p, kM, kD), dgamma, kFp32Tol);
 }
 
-TEST(CodaLlama, SwiGluBackwardInDownDgradWritesInterleavedGradAndDzZ) {
+TEST(CodaLlama, SwiGluBackwardInDownDgradWritesScaledInterleavedGradAndDzZ) {
   const int F = 48;
-  const Vec gu = round_bf16(random_vec(kM * 2 * F, -3.0f, 3.0f, 19));
-  const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 20), w_down = random_vec(kD * F, -0.2f, 0.2f, 21);
+  const Vec gu = round_bf16(random_vec(kM * 2 * F, -3.0f, 3.0f, 20));
+  const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 21), w_down = random_vec(kD * F, -0.2f, 0.2f, 22);
+  const Vec h2 = random_vec(kM * kD, -2.0f, 2.0f, 23);  // norm2's input: r scales the handed-on gradient
   const Vec da = dgrad_acc(dres, w_down, kM, F, kD);
-  Vec dgu(kM * 2 * F, 0.0f), a(kM * F);
+  Vec dgu(kM * 2 * F, 0.0f);
   ref::swiglu_backward(dgu.data(), da.data(), gu.data(), kM, F);
-  ref::swiglu_forward(a.data(), gu.data(), kM, F);
   Vec dot_ref(kM, 0.0f);
   for (int i = 0; i < kM * 2 * F; ++i) dot_ref[i / (2 * F)] += dgu[i] * gu[i];
+  const RmsPartials partials(h2);
+  const Vec rstd = partials.rstd();
+  Vec dgu_scaled(dgu.size());
+  for (size_t i = 0; i < dgu.size(); ++i) dgu_scaled[i] = rstd[i / (2 * F)] * dgu[i];
 
   const Bf16Vec gu_b = to_bf16(gu);
-  Bf16Vec act(kM * F);
   Vec out(kM * 2 * F, NAN), dot_p(kM * tiles(F), NAN), dot(kM);
-  auto program = prog::llama::swiglu_backward_program(gu_b.data(), 2 * F, act.data(), dot_p.data());
+  auto program = prog::llama::swiglu_backward_program(gu_b.data(), 2 * F, partials.stats(), dot_p.data());
   static_assert(decltype(program)::kOutsPerCol == 2, "1 -> 2 map doubles the output");
   epi::evaluate_on_host(program, da.data(), kM, F, kTile, out.data());
   for (int i = 0; i < kM; ++i) dot[i] = prog::sum_partials(&dot_p[size_t(i) * tiles(F)], tiles(F));
-  EXPECT_CLOSE(out, dgu, kFp32Tol);
-  EXPECT_CLOSE(to_float(act), a, kBf16Tol);
+  EXPECT_CLOSE(out, dgu_scaled, kFp32Tol);
   EXPECT_CLOSE(dot, dot_ref, kFp32Tol);
 }
 

@@ -145,4 +145,24 @@ CODA_HD void ln_weight_vectors(int n, const T* W, int in, const float* gamma, co
   b_prime[n] = sb + (bias ? bias[n] : 0.0f);
 }
 
+// ---- RMSNorm row operands (RowOf<Stat> in epilogue.cuh): statistics finished from partials as a GEMM
+// epilogue's rows begin ----
+
+// r = 1 / sqrt(mean(h^2) + eps): the row scale of the GEMM after an RMSNorm, and of its gradient dz' = r dz.
+struct RmsRstd {
+  NormPartials stats;
+  CODA_HD float operator()(int row) const { return stats.rms_rstd(row); }
+};
+
+// k = r^2 <dz, z> / d: the coefficient of h in the RMSNorm backward dh = D' (.) gamma - k h, from the
+// <dz, z> row partials [M, dot_count] of whoever produced dz.
+struct RmsBackwardCoef {
+  NormPartials stats;
+  const float* dot;
+  int dot_count;
+  CODA_HD float operator()(int row) const {
+    return rms_backward_coef(dot + static_cast<size_t>(row) * dot_count, dot_count, stats.rms_rstd(row), stats.d);
+  }
+};
+
 }  // namespace coda::prog

@@ -498,8 +498,9 @@ struct ColDot : Primitive {
 
 // SwiGLU backward, 1 -> 2. The accumulator is dy, the gradient of y = silu(g) u; with the saved
 // interleaved pair (g, u) at gu[row, 2c], 2c + 1 (c the accumulator column) it writes the interleaved
-// (dg, du) = (dy u silu'(g), dy silu(g)), silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), and stores
-// the recomputed y = silu(g) u to act[row, c] (the down projection's weight-gradient input).
+// (dg, du) = (dy u silu'(g), dy silu(g)), silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), and, if act
+// is not null, stores the recomputed y = silu(g) u to act[row, c] (the down projection's weight-gradient
+// input; null where the forward saved it).
 template <class T>
 struct SwiGluBackward : Primitive {
   static constexpr int kOutsPerCol = 2;
@@ -518,7 +519,7 @@ struct SwiGluBackward : Primitive {
         const float s = 1.0f / (1.0f + fast_exp(-g)), silu = g * s;
         out[2 * i] = f.v[i] * u * s * (1.0f + g * (1.0f - s));
         out[2 * i + 1] = f.v[i] * silu;
-        act[static_cast<size_t>(f.row) * ld_act + c] = static_cast<T>(silu * u);
+        if (act != nullptr) act[static_cast<size_t>(f.row) * ld_act + c] = static_cast<T>(silu * u);
       }
     }
     f.width *= 2;

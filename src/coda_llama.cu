@@ -1,0 +1,183 @@
+// The Llama CODA mode: every RMSNorm, RoPE, SwiGLU, residual add and the loss of a Llama model run in the
+// epilogues of its GEMMs (kernels/coda/llama_programs.cuh, docs/CODA.md), next to the attention kernels
+// and the passes of kernels/coda/fused.cuh. Buffers as in coda_backend.hpp; N = B*T rows, C = d_model,
+// Q = qkv_dim, F = d_ff, Vp = padded vocabulary.
+//
+// Forward of layer l (h = input, its norm1 statistics and O1 = h (.) gamma1 already written by the
+// embedding or the previous layer's down projection):
+//   QKV       qkv = rope(r1 (O1 Wqkv^T))                                           -> attention
+//   out-proj  h2 = attn Wo^T + h: aux h2 (mid), h2^2 partials (norm2), main O2 = h2 (.) gamma2
+//   gate/up   (g, u) = r2 (O2 Wgu^T): aux gu (up), main act = silu(g) u
+//   down      h' = act Wdown^T + h2: aux h' (next input), h'^2 partials, main O' = h' (.) gamma' (gamma of
+//             the next layer's norm1, or of the final norm after the last layer)
+// Head: logits = rf (Of Wv^T), the target logit and log-sum-exp partials over the columns < vocab.
+//
+// Backward (scaled-gradient convention, fused.cuh): d_residual holds the gradient of the stream above.
+//   head      dlogits' = rf dz in place, with <dz, logits>; dgrad d_residual = norm backward (written
+//             fresh); wgrad += dlogits'^T Of; final-norm gamma from column partials
+//   down      dgrad d_up = rf2 (SwiGLU backward of d_residual Wdown) with <dz, (g, u)>; wgrad += d_res^T act
+//   gate/up   dgrad d_residual += norm2 backward of d_up' Wgu; wgrad += d_up'^T O2; gamma2
+//   out-proj  plain dgrad d_attn = d_residual Wo; wgrad += d_residual^T attn
+//   attention backward with the write-out: inverse RoPE, <dz, qkv>, d_qkv' = r1 dz
+//   QKV       dgrad d_residual += norm1 backward of d_qkv' Wqkv; wgrad += d_qkv'^T O1; gamma1
+// Six program types, each one GEMM kernel instantiation (per tile): qkv, residual (out-proj and down),
+// gate/up, LM head, norm backward (head, gate/up and QKV dgrads), SwiGLU backward.
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "coda_backend.hpp"
+#include "kernels/coda/fused.cuh"
+#include "kernels/coda/llama_programs.cuh"
+#include "kernels/gemm/gemm_launch.cuh"
+
+namespace coda {
+
+namespace {
+
+using prog::llama::lm_head_program;
+using prog::llama::norm_backward_program;
+using prog::llama::qkv_program;
+using prog::llama::residual_program;
+using prog::llama::swiglu_backward_program;
+
+class CodaLlamaBackend : public CodaBackend {
+ public:
+  CodaLlamaBackend(const ModelConfig& config, int max_batch, int max_seq_len);
+
+ protected:
+  void plan_buffers(ArenaPlan& plan) override;
+  void block_forward(int layer, int B, int T) override;
+  void head_forward(int B, int T) override;
+  void head_backward(int B, int T, float dloss) override;
+  void block_backward(int layer, int B, int T) override;
+
+ private:
+  // The RMSNorm backward in the dgrad of a normed GEMM: d_residual (+)= norm backward of the accumulator
+  // dz' W, with the norm's statistics, the <dz, z> partials left in dot_z_ (dot_count per row), the norm's
+  // input h and gamma; then grad(gamma) += its column partials.
+  void norm_backward_dgrad(const bf16* dz_scaled, size_t w, int N, int K, const NormStatsBuffers& stats,
+                           int dot_count, const bf16* h, size_t gamma, bool accumulate);
+
+  float* dot_z_ = nullptr;             // <dz, z> row partials of the norm backward in flight [N, F / 128]
+  float* dgamma_partials_ = nullptr;   // column partials of a gamma gradient [N / 16, C]
+};
+
+CodaLlamaBackend::CodaLlamaBackend(const ModelConfig& config, int max_batch, int max_seq_len)
+    : CodaBackend(config, max_batch, max_seq_len) {
+  const int hd = config.head_dim();
+  if ((hd & (hd - 1)) != 0)
+    throw std::invalid_argument("kernels coda: the RoPE epilogue needs a power-of-two head_dim, got " +
+                                std::to_string(hd) + " (d_model / n_head)");
+}
+
+void CodaLlamaBackend::plan_buffers(ArenaPlan& plan) {
+  CodaBackend::plan_buffers(plan);
+  const size_t N = static_cast<size_t>(max_batch_) * max_seq_len_;
+  const std::string group = "coda backward partials";
+  plan.reserve(&dot_z_, N * max_row_partials(config_.d_ff), group);
+  plan.reserve(&dgamma_partials_, static_cast<size_t>(prog::column_partial_groups(static_cast<int>(N))) *
+                                      config_.d_model, group);
+}
+
+void CodaLlamaBackend::block_forward(int layer, int B, int T) {
+  const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
+  LayerActivations& a = acts_.layers[layer];
+  const LayerParams& p = layout_.layers[layer];
+  const bool last = layer + 1 == config_.n_layer;
+  NormStatsBuffers& stats2 = norm2_stats_[layer];
+  NormStatsBuffers& next = next_norm_stats(layer);
+  const GemmTile tile = GemmTile::Auto;
+
+  const epi::Rope rope{T, config_.head_dim(), (config_.n_head + config_.n_kv_head) * config_.head_dim(),
+                       std::log2(config_.rope_theta)};
+  gemm_run<GemmLayout::Forward>(tile, a.qkv, a.norm1, weight(p.qkv_w), N, Q, C, false,
+                                qkv_program(norm_partials(norm1_stats_[layer]), rope), stream_);
+  attention_forward(a.attn, a.lse, a.qkv, attention_shape(B, T), stream_);
+  gemm_run<GemmLayout::Forward>(tile, a.norm2, a.attn, weight(p.attn_proj_w), N, C, C, false,
+                                residual_program(a.input, a.mid, C, weight(p.norm2_w), stats2.sumsq), stream_);
+  stats2.count = row_partials(GemmLayout::Forward, N, C, C);
+  gemm_run<GemmLayout::Forward>(tile, a.act, a.norm2, weight(p.mlp_up_w), N, 2 * F, C, false,
+                                prog::llama::gate_up_program(norm_partials(stats2), a.up, 2 * F), stream_);
+  bf16* O_next = last ? acts_.normf : acts_.layers[layer + 1].norm1;
+  const size_t gamma_next = last ? layout_.normf_w : layout_.layers[layer + 1].norm1_w;
+  gemm_run<GemmLayout::Forward>(tile, O_next, a.act, weight(p.mlp_down_w), N, C, F, false,
+                                residual_program(a.mid, layer_output(layer), C, weight(gamma_next), next.sumsq),
+                                stream_);
+  next.count = row_partials(GemmLayout::Forward, N, C, F);
+}
+
+void CodaLlamaBackend::head_forward(int B, int T) {
+  const int N = B * T, C = config_.d_model, Vp = config_.padded_vocab();
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, acts_.logits, acts_.normf, weight(layout_.head_weight()), N, Vp, C,
+                                false,
+                                lm_head_program(norm_partials(normf_stats_), acts_.targets, target_logit_,
+                                                lse_partials_, config_.vocab_size),
+                                stream_);
+  lse_count_ = row_partials(GemmLayout::Forward, N, Vp, C);
+}
+
+void CodaLlamaBackend::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int N, int K,
+                                           const NormStatsBuffers& stats, int dot_count, const bf16* h, size_t gamma,
+                                           bool accumulate) {
+  const int C = config_.d_model;
+  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(w), N, C, K, accumulate,
+                              norm_backward_program(norm_partials(stats), dot_z_, dot_count, h, C, weight(gamma),
+                                                    dgamma_partials_),
+                              stream_);
+  fused::add_column_partials(grad(gamma), dgamma_partials_, prog::column_partial_groups(N), C, C, 1.0f, stream_);
+}
+
+void CodaLlamaBackend::head_backward(int B, int T, float dloss) {
+  const int N = B * T, C = config_.d_model, Vp = config_.padded_vocab();
+  fused::DlogitsArgs args;
+  args.dlogits = acts_.logits;
+  args.logits = acts_.logits;
+  args.lse = acts_.logits_lse;
+  args.targets = acts_.targets;
+  args.dloss = dloss;
+  args.N = N;
+  args.vocab = config_.vocab_size;
+  args.Vp = Vp;
+  args.stats = norm_partials(normf_stats_);
+  args.dot_z = dot_z_;
+  fused::dlogits(args, stream_);
+  norm_backward_dgrad(acts_.logits, layout_.head_weight(), N, Vp, normf_stats_, 1, acts_.output, layout_.normf_w,
+                      false);
+  gemm_wgrad(grad(layout_.head_weight()), acts_.logits, acts_.normf, Vp, C, N, true, stream_);
+}
+
+void CodaLlamaBackend::block_backward(int layer, int B, int T) {
+  const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
+  const LayerActivations& a = acts_.layers[layer];
+  const LayerParams& p = layout_.layers[layer];
+  const NormStatsBuffers& stats1 = norm1_stats_[layer];
+  const NormStatsBuffers& stats2 = norm2_stats_[layer];
+  bf16* d_residual = scratch_.d_residual;  // holds the gradient of this layer's output
+
+  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_up, d_residual, weight(p.mlp_down_w), N, F, C, false,
+                              swiglu_backward_program(a.up, 2 * F, norm_partials(stats2), dot_z_), stream_);
+  gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
+  norm_backward_dgrad(scratch_.d_up, p.mlp_up_w, N, 2 * F, stats2, row_partials(GemmLayout::Dgrad, N, F, C), a.mid,
+                      p.norm2_w, true);
+  gemm_wgrad(grad(p.mlp_up_w), scratch_.d_up, a.norm2, 2 * F, C, N, true, stream_);
+
+  gemm_dgrad(scratch_.d_attn, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
+  gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
+  AttentionWriteout writeout;
+  writeout.rope_theta = config_.rope_theta;
+  writeout.stats = norm_partials(stats1);
+  writeout.dot_z = dot_z_;
+  attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
+                     attention_shape(B, T), stream_, &writeout);
+  norm_backward_dgrad(scratch_.d_qkv, p.qkv_w, N, Q, stats1, 1, a.input, p.norm1_w, true);
+  gemm_wgrad(grad(p.qkv_w), scratch_.d_qkv, a.norm1, Q, C, N, true, stream_);
+}
+
+}  // namespace
+
+std::unique_ptr<CudaBackend> make_coda_llama_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
+  return std::make_unique<CodaLlamaBackend>(config, max_batch, max_seq_len);
+}
+
+}  // namespace coda
