@@ -1,4 +1,6 @@
-// The GPT-2 CODA backend (coda_gpt2.hpp): one step as GEMMs with epilogue programs.
+// The GPT-2 CODA mode: every LayerNorm, bias, GELU, residual add and the loss of a GPT-2 model run in the
+// epilogues of its GEMMs (kernels/coda/gpt2_programs.cuh, docs/CODA.md), next to the attention kernels
+// and the passes of kernels/coda/fused.cuh. Buffers as in coda_backend.hpp.
 //
 // Forward, once: the weight-derived vectors c = W gamma, b' = W beta + bias of each LayerNormed linear
 // layer (QKV, fc, the LM head) from the bf16 weights; the embedding writes layer 0's h, O1 = h (.) gamma1
@@ -25,12 +27,14 @@
 //   QKV       dgrad: LayerNorm backward of norm1 into d_residual (+ column sums: the proj bias of the layer
 //             below); wgrad + rank-1 correction (+ qkv bias)
 // Every piece finishes its own layer's gradients, so the data-parallel bucket overlap of CudaBackend holds.
-#include "coda_gpt2.hpp"
-
 #include <algorithm>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
+#include "coda_backend.hpp"
 #include "kernels/coda/fused.cuh"
+#include "kernels/coda/gpt2_programs.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
 
@@ -40,7 +44,45 @@ namespace {
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-}  // namespace
+class CodaGpt2Backend : public CodaBackend {
+ public:
+  CodaGpt2Backend(const ModelConfig& config, int max_batch, int max_seq_len);
+
+ protected:
+  void plan_buffers(ArenaPlan& plan) override;
+  void embedding_forward(int B, int T) override;  // also the weight-derived vectors of this forward
+  void block_forward(int layer, int B, int T) override;
+  void head_forward(int B, int T) override;
+  void head_backward(int B, int T, float dloss) override;
+  void block_backward(int layer, int B, int T) override;
+
+ private:
+  // The weight-derived vectors of a LayerNormed linear layer LN(h) W^T + bias, fp32 [rows of W]:
+  // c = W gamma, b' = W beta + bias (recomputed at the start of every forward, from the bf16 weights).
+  struct LnVectors {
+    float* c = nullptr;
+    float* b_prime = nullptr;
+  };
+  void weight_vectors();
+  // d_residual += the LayerNorm backward of a norm (its partials, input h, parameters at norm_w, norm_b)
+  // from the scaled gradient dz' [N, K] of the GEMM after it (weight W [K, C]) and the row dots of dz;
+  // adds dgamma and dbeta into the gradients and leaves the column sums of the new d_residual (the bias
+  // gradient of the projection below) in ln_cols_.residual.
+  void ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats, const prog::LnDots& dots,
+                   const bf16* h, size_t norm_w, size_t norm_b, int N);
+  // dW += dz'^T O - a gamma^T + b beta^T and dbias += b (W [rows, C] after the norm at norm_w, norm_b;
+  // a, b from col_a_, col_b_ in `groups` row groups).
+  void ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* O, int rows, int N, int groups,
+                       size_t norm_w, size_t norm_b);
+
+  std::vector<LnVectors> qkv_vectors_, fc_vectors_;  // per layer
+  LnVectors head_vectors_;
+  float* dot_z_ = nullptr;  // row dots of a LayerNormed GEMM's output gradient, [N, count]
+  float* dot_c_ = nullptr;
+  float* dot_b_ = nullptr;
+  prog::gpt2::LnGradColumns grad_cols_;   // col_a, col_b of that gradient, [groups, rows]
+  prog::gpt2::LnBackwardColumns ln_cols_;  // the LayerNorm backward's column partials, [N / 16, C]
+};
 
 CodaGpt2Backend::CodaGpt2Backend(const ModelConfig& config, int max_batch, int max_seq_len)
     : CodaBackend(config, max_batch, max_seq_len), qkv_vectors_(config.n_layer), fc_vectors_(config.n_layer) {
@@ -230,6 +272,12 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
               p.norm1_b, N);
   ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, ceil_div(N, attention_writeout_group_rows()),
                   p.norm1_w, p.norm1_b);
+}
+
+}  // namespace
+
+std::unique_ptr<CudaBackend> make_coda_gpt2_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
+  return std::make_unique<CodaGpt2Backend>(config, max_batch, max_seq_len);
 }
 
 }  // namespace coda
