@@ -17,8 +17,8 @@
 // loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once, and
 // c, b' (fp32 [Vp], re-read for every row) stay in L1. The per-row scalars (lse, target, r, mu) are
 // staged in shared memory once per block.
-// The slice count (the cluster size, at most 8) is chosen so that the slices' packets fill the threads'
-// packet slots with the least waste; RMSNorm (no column accumulators) gives each thread four packets per
+// The slice count (the cluster size, at most 8) trades the blocks' passes over their rows against the
+// waves of blocks (dlogits_slices); RMSNorm (no column accumulators) gives each thread four packets per
 // row, LayerNorm two, to keep register use low enough for several blocks per SM.
 #include <algorithm>
 #include <stdexcept>
@@ -166,25 +166,36 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
   cluster.sync();  // the other slices have read this block's block_dots
 }
 
-// Cluster size (column slices per row group) with the fewest idle packet slots; ties go to more slices.
-int dlogits_slices(int packets, int chunk) {
+// Cluster size (column slices per row group). Modelled cost of a slice count: the waves of blocks the GPU
+// runs (resident blocks: SMs x occupancy) times the passes (chunks) each block makes over its rows; ties
+// go to the fewest idle packet slots, then to more slices. For gpt2-124m (N = 32768, Vp = 50304) this is
+// one slice for LayerNorm (256 blocks, all resident) and 7 for RMSNorm.
+template <bool kLayerNorm>
+int dlogits_slices(int packets, int groups) {
+  static const int resident = [] {
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dlogits_kernel<kLayerNorm>, kThreads, 0));
+    return std::max(1, per_sm) * unfused::sm_count();
+  }();
+  constexpr int chunk = DlogitsShape<kLayerNorm>::kChunk;
   int best = 1;
-  long best_waste = -1;
+  long best_cost = 0, best_waste = 0;
   for (int slices = 1; slices <= kMaxClusterBlocks; ++slices) {
-    const int slice = (packets + slices - 1) / slices;
-    const long waste = static_cast<long>(slices) * ((slice + chunk - 1) / chunk) * chunk - packets;
-    if (best_waste < 0 || waste <= best_waste) best = slices, best_waste = waste;
+    const int slice = (packets + slices - 1) / slices, chunks = (slice + chunk - 1) / chunk;
+    const long waves = (static_cast<long>(slices) * groups + resident - 1) / resident;
+    const long cost = waves * chunks, waste = static_cast<long>(slices) * chunks * chunk - packets;
+    if (slices == 1 || cost < best_cost || (cost == best_cost && waste <= best_waste))
+      best = slices, best_cost = cost, best_waste = waste;
   }
   return best;
 }
 
 template <bool kLayerNorm>
 void launch_dlogits(const DlogitsArgs& args, cudaStream_t stream) {
-  const int packets = args.Vp / 8;
-  const int slices = dlogits_slices(packets, DlogitsShape<kLayerNorm>::kChunk);
+  const int packets = args.Vp / 8, groups = (args.N + kGroupRows - 1) / kGroupRows;
+  const int slices = dlogits_slices<kLayerNorm>(packets, groups);
   const int slice_packets = (packets + slices - 1) / slices;
-  launch_clustered(dlogits_kernel<kLayerNorm>, slices, (args.N + kGroupRows - 1) / kGroupRows, kThreads, stream, args,
-                   slice_packets);
+  launch_clustered(dlogits_kernel<kLayerNorm>, slices, groups, kThreads, stream, args, slice_packets);
 }
 
 }  // namespace
