@@ -281,11 +281,3 @@ std::unique_ptr<CudaBackend> make_coda_gpt2_backend(const ModelConfig& config, i
 }
 
 }  // namespace coda
-
-namespace coda {
-
-std::unique_ptr<CudaBackend> make_coda_gpt2_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
-  return std::make_unique<CodaGpt2Backend>(config, max_batch, max_seq_len);
-}
-
-}  // namespace coda
