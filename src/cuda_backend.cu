@@ -196,10 +196,9 @@ void CudaBackend::allocate() {
     const size_t replicated = 3 * layout_.total * sizeof(float);
     const size_t sharded = 3 * z.shard_size * sizeof(float) + zero1_.staging_count * sizeof(float) +
                            (z.padded_total - z.total) * sizeof(bf16);
-    spdlog::info("  ZeRO-1 over {} ranks: fp32 master weights and AdamW moments of {} of {} elements here, "
-                 "{:.2f} GiB with staging and padding instead of {:.2f} GiB: {:.2f} GiB saved",
-                 z.world_size, z.shard_size, z.total, gib(sharded), gib(replicated),
-                 gib(replicated) - gib(sharded));
+    spdlog::info("  ZeRO-1 over {} rank(s): fp32 master weights and AdamW moments of {} of {} elements on this GPU: "
+                 "{:.2f} GiB with staging and padding instead of {:.2f} GiB replicated ({:+.2f} GiB)",
+                 z.world_size, z.shard_size, z.total, gib(sharded), gib(replicated), gib(sharded) - gib(replicated));
   }
   spdlog::info("  {:<32} {:8.2f} GiB of {:.2f} GiB free ({:.2f} GiB device)", "total", gib(plan.total_bytes()),
                gib(free_bytes), gib(device_bytes));
