@@ -77,7 +77,13 @@ std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_bat
 // The CUDA backend (cuda_backend.hpp) on the current device, kernels = "unfused" (cuBLASLt GEMMs plus one
 // kernel per operation) or "coda" (GEMM-epilogue programs, coda_backend.hpp). Throws std::invalid_argument for an unknown kernels mode and std::runtime_error,
 // with the numbers, when the model and batch do not fit in the free device memory.
+// zero1: ZeRO-1 over zero1's ranks (docs/DISTRIBUTED.md). Each rank keeps the fp32 master weights and
+// AdamW moments of its shard only; the interface stays the same, with full flat arrays in and out, but
+// grad_norm, adamw_step, read_params and read_optimizer_state become collective (every rank calls them,
+// in the same order), average_grads_in_next_backward must be given zero1's communicator and reduces each
+// gradient to its shard's owner only (read_grads shows the mean over ranks on the own shard alone), and
+// load_params / load_optimizer_state take every rank's copy of the full state and keep the own shard.
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
-                                           int max_seq_len);
+                                           int max_seq_len, Communicator* zero1 = nullptr);
 
 }  // namespace coda

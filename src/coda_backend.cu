@@ -77,12 +77,14 @@ CodaFactory coda_factory(Arch arch) {
 
 bool coda_supports(Arch arch) { return coda_factory(arch) != nullptr; }
 
-std::unique_ptr<CudaBackend> make_coda_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
+std::unique_ptr<CudaBackend> make_coda_backend(const ModelConfig& config, int max_batch, int max_seq_len,
+                                               Communicator* zero1) {
   const CodaFactory factory = coda_factory(config.arch);
   if (factory == nullptr)
     throw std::invalid_argument(std::string("kernels: the coda mode of ") + arch_name(config.arch) +
                                 " is not built yet (use kernels = unfused)");
   std::unique_ptr<CudaBackend> backend = factory(config, max_batch, max_seq_len);
+  if (zero1 != nullptr) backend->shard_optimizer_state(*zero1);
   backend->allocate();
   return backend;
 }

@@ -61,7 +61,8 @@ class CodaBackend : public CudaBackend {
 
 // The CODA backend of config.arch, allocated. Throws std::invalid_argument for an architecture whose
 // CODA mode this build does not have yet (coda_supports).
-std::unique_ptr<CudaBackend> make_coda_backend(const ModelConfig& config, int max_batch, int max_seq_len);
+std::unique_ptr<CudaBackend> make_coda_backend(const ModelConfig& config, int max_batch, int max_seq_len,
+                                               Communicator* zero1 = nullptr);
 // Whether this build has the CODA mode of arch: what --kernels auto and `coda bench` go by.
 bool coda_supports(Arch arch);
 

@@ -134,14 +134,16 @@ void RunConfig::validate() const {
 
 void add_config_options(CLI::App& app, RunConfig& c) {
   // Floats show (and are written) in their shortest exact form, booleans as true/false, the rest as CLI11
-  // prints it.
+  // prints it. A boolean also works as a bare flag (--zero1 means --zero1 true): expected(0) marks the
+  // option flag-like, so CLI11 takes "true" when no value follows, and expected(0, 1) then still accepts
+  // one value (the config file's "--key" "value" tokens, or --key false).
   const auto key = [&app](const char* section, const char* name, auto& variable, const std::string& help) {
     CLI::Option* option = app.add_option(std::string("--") + name, variable, help)
                               ->group(section)
                               ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     using Type = std::remove_reference_t<decltype(variable)>;
     if constexpr (std::is_same_v<Type, bool>)
-      option->default_str(variable ? "true" : "false");
+      option->default_str(variable ? "true" : "false")->expected(0)->expected(0, 1);
     else if constexpr (std::is_floating_point_v<Type>)
       option->default_str(float_text(variable));
     else
@@ -197,6 +199,7 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "val_batches", c.val_batches, "batches per validation");
   key("run", "checkpoint_every", c.checkpoint_every, "checkpoint every N steps (0: only at the end)");
   key("run", "resume", c.resume, "checkpoint directory (or run directory) to continue from");
+  key("run", "zero1", c.zero1, "ZeRO-1: shard fp32 master weights and AdamW moments over the ranks (cuda)");
 }
 
 std::string config_to_toml(const RunConfig& config) {

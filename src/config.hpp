@@ -48,6 +48,7 @@ struct RunConfig {
   int val_batches = 8;
   int checkpoint_every = 0;      // 0: only at the end
   std::string resume;            // checkpoint directory to continue from
+  bool zero1 = false;            // ZeRO-1: shard the fp32 master weights and AdamW moments over the ranks
 
   // Throws std::invalid_argument naming the key when a value is out of range or inconsistent.
   void validate() const;

@@ -36,6 +36,7 @@ namespace {
 
 constexpr size_t kArenaAlign = 256;
 constexpr size_t kHeadroomBytes = size_t{512} << 20;  // CUDA context, cuBLASLt, and the odd library buffer
+constexpr size_t kZeroStagingFloats = size_t{1} << 20;  // ZeRO-1 checkpoint chunks: 4 MiB per transfer
 
 double gib(size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0); }
 
@@ -95,7 +96,7 @@ CudaBackend::CudaBackend(const ModelConfig& config, int max_batch, int max_seq_l
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   cublas_ = std::make_unique<CublasLt>();
   for (cudaEvent_t& event : events_) CUDA_CHECK(cudaEventCreate(&event));
-  CUDA_CHECK(cudaEventCreateWithFlags(&bucket_done_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&comm_ready_, cudaEventDisableTiming));
   const size_t N = static_cast<size_t>(max_batch) * max_seq_len;
   CUDA_CHECK(cudaMallocHost(&host_tokens_, 2 * N * sizeof(int32_t)));
   CUDA_CHECK(cudaMallocHost(&host_buckets_, (3 * N + 1) * sizeof(int32_t)));
@@ -111,9 +112,10 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(host_buckets_);
   cudaFreeHost(host_losses_);
   cudaFreeHost(host_scalar_);
+  cudaFreeHost(zero1_.host_staging);
   for (cudaEvent_t event : events_)
     if (event != nullptr) cudaEventDestroy(event);
-  if (bucket_done_ != nullptr) cudaEventDestroy(bucket_done_);
+  if (comm_ready_ != nullptr) cudaEventDestroy(comm_ready_);
   cublas_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -123,12 +125,15 @@ void CudaBackend::plan_buffers(ArenaPlan& plan) {
   const size_t P = layout_.total, N = static_cast<size_t>(max_batch_) * max_seq_len_;
   const size_t C = c.d_model, Q = c.qkv_dim(), F = c.d_ff, U = c.mlp_up_rows(), V = c.padded_vocab();
   const std::string state = "parameter state", saved = "activations saved for backward", scratch = "scratch";
-  plan.reserve(&params_bf16_, P, state);
-  plan.reserve(&params_, P, state);
+  const bool sharded = zero1_.comm != nullptr;
+  const size_t owned = sharded ? zero1_.partition.shard_size : P;  // fp32 master and moments of this rank
+  plan.reserve(&params_bf16_, sharded ? zero1_.partition.padded_total : P, state);
+  plan.reserve(&params_, owned, state);
   plan.reserve(&grads_, P, state);
-  plan.reserve(&adam_m_, P, state);
-  plan.reserve(&adam_v_, P, state);
+  plan.reserve(&adam_m_, owned, state);
+  plan.reserve(&adam_v_, owned, state);
   plan.reserve(&scratch_.decay, P / kParamAlign, state);
+  if (sharded) plan.reserve(&zero1_.staging, zero1_.staging_count, state);
 
   // A norm's output and the statistics its backward reads (the mean only for LayerNorm).
   const auto reserve_norm = [&](bf16** y, float** mean, float** rstd) {
@@ -187,6 +192,15 @@ void CudaBackend::allocate() {
                name(), arch_name(config_.arch), config_.n_layer, layout_.num_parameters() / 1e6, max_batch_,
                max_seq_len_);
   for (const auto& [group, bytes] : plan.group_bytes()) spdlog::info("  {:<32} {:8.2f} GiB", group, gib(bytes));
+  if (zero1_.comm != nullptr) {
+    const ZeroPartition& z = zero1_.partition;
+    const size_t replicated = 3 * layout_.total * sizeof(float);
+    const size_t sharded = 3 * z.shard_size * sizeof(float) + zero1_.staging_count * sizeof(float) +
+                           (z.padded_total - z.total) * sizeof(bf16);
+    spdlog::info("  ZeRO-1 over {} rank(s): fp32 master weights and AdamW moments of {} of {} elements on this GPU: "
+                 "{:.2f} GiB with staging and padding instead of {:.2f} GiB replicated ({:+.2f} GiB)",
+                 z.world_size, z.shard_size, z.total, gib(sharded), gib(replicated), gib(sharded) - gib(replicated));
+  }
   spdlog::info("  {:<32} {:8.2f} GiB of {:.2f} GiB free ({:.2f} GiB device)", "total", gib(plan.total_bytes()),
                gib(free_bytes), gib(device_bytes));
   if (plan.total_bytes() + kHeadroomBytes > free_bytes) {
@@ -214,6 +228,16 @@ void CudaBackend::allocate() {
                                cudaMemcpyHostToDevice, stream_));
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::shard_optimizer_state(Communicator& comm) {
+  if (arena_ != nullptr) throw std::logic_error("cuda backend: shard_optimizer_state() after allocate()");
+  zero1_.comm = &comm;
+  zero1_.partition = make_zero_partition(layout_, comm.world_size());
+  zero1_.shard = zero1_.partition.shards[comm.rank()];
+  zero1_.slot = zero1_.partition.slot(comm.rank());
+  zero1_.staging_count = std::min(kZeroStagingFloats, zero1_.partition.shard_size);
+  CUDA_CHECK(cudaMallocHost(&zero1_.host_staging, zero1_.staging_count * sizeof(float)));
 }
 
 // ---- the pieces of a step ----
@@ -378,9 +402,21 @@ void CudaBackend::upload_batch(const int32_t* tokens, const int32_t* targets, in
   }
 }
 
+void CudaBackend::wait_stream() {
+  if (zero1_.comm != nullptr)
+    zero1_.comm->wait(stream_);
+  else
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::hand_to_comm(Communicator& comm) {
+  CUDA_CHECK(cudaEventRecord(comm_ready_, stream_));
+  comm.wait_event(comm_ready_);
+}
+
 float CudaBackend::mean_loss(int N) {
   CUDA_CHECK(cudaMemcpyAsync(host_losses_, acts_.losses, N * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_stream();
   double sum = 0.0;
   for (int n = 0; n < N; ++n) sum += host_losses_[n];
   return static_cast<float>(sum / N);
@@ -423,15 +459,25 @@ float CudaBackend::forward_backward(const int32_t* tokens, const int32_t* target
   return mean_loss(N);
 }
 
-void CudaBackend::average_grads_in_next_backward(Communicator& comm) { reduce_comm_ = &comm; }
+void CudaBackend::average_grads_in_next_backward(Communicator& comm) {
+  if (zero1_.comm != nullptr && &comm != zero1_.comm)
+    throw std::logic_error("cuda backend: ZeRO-1 reduces gradients over the communicator it was sharded with");
+  reduce_comm_ = &comm;
+}
 
 void CudaBackend::reduce_next_bucket(Communicator* comm, size_t& bucket) {
   if (comm == nullptr) return;
   if (bucket == gradient_buckets_.size()) throw std::logic_error("cuda backend: more backward pieces than buckets");
   const GradBucket& b = gradient_buckets_[bucket++];
-  CUDA_CHECK(cudaEventRecord(bucket_done_, stream_));
-  comm->wait_event(bucket_done_);
-  comm->all_reduce(grads_ + b.begin, b.end - b.begin, ReduceOp::Average);
+  hand_to_comm(*comm);
+  if (zero1_.comm == nullptr) {
+    comm->all_reduce(grads_ + b.begin, b.end - b.begin, ReduceOp::Average);
+    return;
+  }
+  comm->group_start();
+  for (const OwnedRange& range : bucket_owners(b, zero1_.partition))
+    comm->reduce(grads_ + range.begin, grads_ + range.begin, range.end - range.begin, range.rank, ReduceOp::Average);
+  comm->group_end();
 }
 
 float CudaBackend::forward_loss(const int32_t* tokens, const int32_t* targets, int B, int T) {
@@ -455,7 +501,7 @@ void CudaBackend::last_logits(const int32_t* tokens, int B, int T, float* out) {
   CUDA_CHECK(cudaMemcpy2DAsync(rows.data(), Vp * sizeof(bf16), acts_.logits + (T - 1) * Vp,
                                static_cast<size_t>(T) * Vp * sizeof(bf16), Vp * sizeof(bf16), B,
                                cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_stream();
   for (int b = 0; b < B; ++b)
     for (int v = 0; v < config_.vocab_size; ++v)
       out[static_cast<size_t>(b) * config_.vocab_size + v] = bf16_bits_to_float(rows[b * Vp + v]);
@@ -463,17 +509,36 @@ void CudaBackend::last_logits(const int32_t* tokens, int B, int T, float* out) {
 
 float CudaBackend::grad_norm() {
   if (arena_ == nullptr) throw std::logic_error("cuda backend: allocate() was not called");
-  unfused::grad_sumsq(scratch_.sumsq, grads_, layout_.total, scratch_.sumsq_partials, scratch_.sumsq_ticket, stream_);
+  Communicator* comm = zero1_.comm;
+  const size_t begin = comm != nullptr ? zero1_.shard.begin : 0, end = comm != nullptr ? zero1_.shard.end : layout_.total;
+  unfused::grad_sumsq(scratch_.sumsq, grads_ + begin, end - begin, scratch_.sumsq_partials, scratch_.sumsq_ticket,
+                      stream_);
+  if (comm != nullptr) {  // the shards partition the buffer: their sums of squares add up to the whole
+    hand_to_comm(*comm);
+    comm->all_reduce(scratch_.sumsq, 1, ReduceOp::Sum);
+    comm->join(stream_);
+  }
   CUDA_CHECK(cudaMemcpyAsync(host_scalar_, scratch_.sumsq, sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_stream();
   return std::sqrt(*host_scalar_);
 }
 
 void CudaBackend::adamw_step(const AdamWHyper& hyper, int step, float grad_scale) {
   if (arena_ == nullptr) throw std::logic_error("cuda backend: allocate() was not called");
   CUDA_CHECK(cudaEventRecord(events_[kOptimizerStart], stream_));
-  unfused::adamw(params_, params_bf16_, adam_m_, adam_v_, grads_, scratch_.decay, layout_.total,
-                 {hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, grad_scale, step}, stream_);
+  const unfused::AdamWStep update{hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, grad_scale, step};
+  Communicator* comm = zero1_.comm;
+  if (comm == nullptr) {
+    unfused::adamw(params_, params_bf16_, adam_m_, adam_v_, grads_, scratch_.decay, layout_.total, update, stream_);
+  } else {
+    const size_t begin = zero1_.shard.begin, count = zero1_.shard.end - begin;
+    if (count > 0)
+      unfused::adamw(params_, params_bf16_ + begin, adam_m_, adam_v_, grads_ + begin, scratch_.decay + begin / kParamAlign,
+                     count, update, stream_);
+    hand_to_comm(*comm);
+    comm->all_gather(params_bf16_ + zero1_.slot, params_bf16_, zero1_.partition.shard_size, DType::BF16);
+    comm->join(stream_);
+  }
   CUDA_CHECK(cudaEventRecord(events_[kOptimizerEnd], stream_));
   optimizer_timed_ = true;
 }
@@ -496,33 +561,76 @@ PhaseTimes CudaBackend::last_phase_times() {
   return times;
 }
 
+// Without ZeRO-1 the device holds the whole state at the host's offsets. With it, params_, adam_m_ and
+// adam_v_ hold [shard.begin, shard.end): loading copies that range of the full host arrays; the whole bf16
+// copy is rebuilt from the host array chunk by chunk through the staging buffer (every rank has read the
+// same checkpoint, so no communication is needed); reading gathers the shards from their owners.
 void CudaBackend::load_params(const float* params) {
   if (arena_ == nullptr) throw std::logic_error("cuda backend: allocate() was not called");
-  CUDA_CHECK(cudaMemcpyAsync(params_, params, layout_.total * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  unfused::convert_to_bf16(params_bf16_, params_, layout_.total, stream_);
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (zero1_.comm == nullptr) {
+    CUDA_CHECK(cudaMemcpyAsync(params_, params, layout_.total * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    unfused::convert_to_bf16(params_bf16_, params_, layout_.total, stream_);
+    wait_stream();
+    return;
+  }
+  const ZeroShard& shard = zero1_.shard;
+  CUDA_CHECK(cudaMemcpyAsync(params_, params + shard.begin, (shard.end - shard.begin) * sizeof(float),
+                             cudaMemcpyHostToDevice, stream_));
+  for (const OwnedRange& chunk : shard_chunks(zero1_.partition, zero1_.staging_count)) {
+    const size_t count = chunk.end - chunk.begin;
+    wait_stream();  // the previous chunk has left host_staging
+    std::memcpy(zero1_.host_staging, params + chunk.begin, count * sizeof(float));
+    CUDA_CHECK(cudaMemcpyAsync(zero1_.staging, zero1_.host_staging, count * sizeof(float), cudaMemcpyHostToDevice,
+                               stream_));
+    unfused::convert_to_bf16(params_bf16_ + chunk.begin, zero1_.staging, count, stream_);
+  }
+  wait_stream();
 }
 
 void CudaBackend::read_params(float* params) {
+  if (zero1_.comm != nullptr) return gather_shards(params_, params);
   CUDA_CHECK(cudaMemcpyAsync(params, params_, layout_.total * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_stream();
 }
 
 void CudaBackend::load_optimizer_state(const float* m, const float* v) {
-  CUDA_CHECK(cudaMemcpyAsync(adam_m_, m, layout_.total * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  CUDA_CHECK(cudaMemcpyAsync(adam_v_, v, layout_.total * sizeof(float), cudaMemcpyHostToDevice, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const size_t begin = zero1_.comm != nullptr ? zero1_.shard.begin : 0;
+  const size_t count = (zero1_.comm != nullptr ? zero1_.shard.end : layout_.total) - begin;
+  CUDA_CHECK(cudaMemcpyAsync(adam_m_, m + begin, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(adam_v_, v + begin, count * sizeof(float), cudaMemcpyHostToDevice, stream_));
+  wait_stream();
 }
 
 void CudaBackend::read_optimizer_state(float* m, float* v) {
+  if (zero1_.comm != nullptr) {
+    gather_shards(adam_m_, m);
+    gather_shards(adam_v_, v);
+    return;
+  }
   CUDA_CHECK(cudaMemcpyAsync(m, adam_m_, layout_.total * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaMemcpyAsync(v, adam_v_, layout_.total * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_stream();
+}
+
+// One broadcast per chunk from its owner into every rank's staging buffer, then to the host; the watchdog
+// waits for each chunk, so a dead peer ends in an error here too.
+void CudaBackend::gather_shards(const float* shard, float* host) {
+  Communicator& comm = *zero1_.comm;
+  hand_to_comm(comm);
+  for (const OwnedRange& chunk : shard_chunks(zero1_.partition, zero1_.staging_count)) {
+    const size_t count = chunk.end - chunk.begin;
+    const float* send = chunk.rank == comm.rank() ? shard + (chunk.begin - zero1_.shard.begin) : zero1_.staging;
+    comm.broadcast(send, zero1_.staging, count, DType::F32, chunk.rank);
+    CUDA_CHECK(cudaMemcpyAsync(zero1_.host_staging, zero1_.staging, count * sizeof(float), cudaMemcpyDeviceToHost,
+                               comm.stream()));
+    comm.synchronize();
+    std::memcpy(host + chunk.begin, zero1_.host_staging, count * sizeof(float));
+  }
 }
 
 void CudaBackend::read_grads(float* grads) {
   CUDA_CHECK(cudaMemcpyAsync(grads, grads_, layout_.total * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_stream();
 }
 
 void CudaBackend::zero_grad() {
@@ -530,12 +638,13 @@ void CudaBackend::zero_grad() {
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
-                                           int max_seq_len) {
-  if (kernels == "coda") return make_coda_backend(config, max_batch, max_seq_len);
+                                           int max_seq_len, Communicator* zero1) {
+  if (kernels == "coda") return make_coda_backend(config, max_batch, max_seq_len, zero1);
   if (kernels != "unfused")
     throw std::invalid_argument("kernels: unknown mode \"" + kernels +
                                 "\" for the cuda backend (this build has: unfused, coda)");
   auto backend = std::make_unique<CudaBackend>(config, max_batch, max_seq_len);
+  if (zero1 != nullptr) backend->shard_optimizer_state(*zero1);
   backend->allocate();
   return backend;
 }

@@ -21,6 +21,19 @@
 // overrides the pieces keeps the overlap as long as each piece leaves its own bucket's gradients final.
 // The compute stream joins the communicator's stream at the end of the backward, and the host waits for
 // both through Communicator::wait (the watchdog), so a dead peer ends in an error instead of a hang.
+//
+// ZeRO-1 (shard_optimizer_state, before allocate): the ranks split the flat buffer into the shards of
+// make_zero_partition. This rank keeps fp32 master weights and AdamW moments for its shard only (12 of
+// the 18 bytes per parameter shrink by world_size); the gradient buffer and the bf16 working copy stay
+// whole, the latter padded to the partition's padded_total for the in-place all-gather. The reducing
+// backward sends each bucket to the owners of its pieces (bucket_owners: one ncclReduce with ncclAvg per
+// owner, grouped), with the same overlap as the all-reduce. grad_norm sums the squares of the own shard
+// and all-reduces that scalar; adamw_step updates the own shard (writing its bf16 copy) and then
+// all-gathers the bf16 shards on the communicator's stream, which the compute stream joins, so the next
+// forward waits for it on the GPU only. Checkpoint I/O gathers the shards by per-chunk broadcasts from
+// their owners through a small staging buffer (shard_chunks); loading keeps the own shard of the full
+// arrays and rebuilds the whole bf16 copy from them, without communication. Every host wait goes through
+// the communicator's watchdog while the mode is on, since the compute stream may depend on a collective.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -74,6 +87,8 @@ class CudaBackend : public Backend {
   // Plans (plan_buffers), checks the plan against the free device memory (throws with the numbers),
   // logs it and allocates. Called once by the factory, after construction (so overrides take part).
   void allocate();
+  // ZeRO-1 over comm's ranks (see above); the factory calls it before allocate(). comm must outlive this.
+  void shard_optimizer_state(Communicator& comm);
 
   std::string name() const override { return "cuda-unfused"; }
   void load_params(const float* params) override;
@@ -182,13 +197,29 @@ class CudaBackend : public Backend {
   void check_shape(int B, int T, const char* what) const;
   void upload_batch(const int32_t* tokens, const int32_t* targets, int B, int T);
   float mean_loss(int N);  // waits for the stream
-  // With a communicator armed: enqueues the all-reduce of the next bucket of gradient_buckets_ once the
-  // compute stream has finished it.
+  // The host waits for stream_; through the ZeRO-1 communicator's watchdog when sharded.
+  void wait_stream();
+  // The communicator's stream waits for everything enqueued on stream_ so far.
+  void hand_to_comm(Communicator& comm);
+  // With a communicator armed: enqueues the all-reduce (ZeRO-1: the reduces to the owners) of the next
+  // bucket of gradient_buckets_ once the compute stream has finished it.
   void reduce_next_bucket(Communicator* comm, size_t& bucket);
+  // ZeRO-1: host[0, total) = the full buffer whose shards the ranks hold in `shard` (collective).
+  void gather_shards(const float* shard, float* host);
 
   std::vector<GradBucket> gradient_buckets_;  // in backward order
   Communicator* reduce_comm_ = nullptr;       // armed by average_grads_in_next_backward for one backward
-  cudaEvent_t bucket_done_ = nullptr;         // recorded on stream_ when a bucket is complete
+  cudaEvent_t comm_ready_ = nullptr;          // recorded on stream_ before the communicator's stream reads
+
+  struct Zero1 {
+    Communicator* comm = nullptr;  // null: every rank keeps the whole optimizer state
+    ZeroPartition partition;
+    ZeroShard shard;               // this rank's: params_, adam_m_, adam_v_ hold [shard.begin, shard.end)
+    size_t slot = 0;               // partition.slot(rank): this rank's part of the bf16 all-gather
+    size_t staging_count = 0;      // elements of staging / host_staging (checkpoint chunks)
+    float* staging = nullptr;      // device
+    float* host_staging = nullptr; // pinned
+  } zero1_;
 
   // Pinned host staging for the per-step transfers.
   int32_t* host_tokens_ = nullptr;   // [N] tokens, [N] targets

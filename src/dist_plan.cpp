@@ -79,6 +79,19 @@ std::vector<OwnedRange> bucket_owners(const GradBucket& bucket, const ZeroPartit
   return owned;
 }
 
+std::vector<OwnedRange> shard_chunks(const ZeroPartition& partition, size_t max_count) {
+  if (max_count == 0 || max_count % kParamAlign != 0)
+    throw std::invalid_argument("shard_chunks: max_count = " + std::to_string(max_count) +
+                                " must be a positive multiple of " + std::to_string(kParamAlign));
+  std::vector<OwnedRange> chunks;
+  for (int r = 0; r < partition.world_size; ++r) {
+    const ZeroShard& shard = partition.shards[r];
+    for (size_t begin = shard.begin; begin < shard.end; begin += max_count)
+      chunks.push_back({r, begin, std::min(begin + max_count, shard.end)});
+  }
+  return chunks;
+}
+
 BatchPlan plan_batch(int world_size, int micro_batch, int seq_len, int grad_accum) {
   require_positive(world_size, "world_size");
   require_positive(micro_batch, "batch_size");

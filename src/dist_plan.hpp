@@ -17,6 +17,15 @@
 // shorter or empty. Each shard lists the pieces of the tensors it overlaps, which is what the sharded
 // AdamW needs for its weight-decay mask. A bucket can also be reduced straight to the shards' owners
 // (one ncclReduce per owner, grouped), which keeps the backward overlap under ZeRO-1: bucket_owners().
+// In the padded buffers of the collectives, rank r's shard sits at slot(r) = r * shard_size (equal to
+// its begin unless the shard is empty), so the in-place all-gather of the bf16 weights sends
+// shard_size elements from buffer + slot(r); the tail of a short shard is padding that the optimizer
+// never writes (zero). The global gradient norm composes from the shards: they partition [0, total), so
+// the sum over ranks of each rank's sum of squares over its own shard (one all-reduce of a scalar) is
+// the sum of squares of the whole averaged gradient. Checkpoints hold the full state: it is gathered
+// to every rank in chunks (shard_chunks: pieces of at most one staging buffer, each inside one shard,
+// broadcast by its owner), and scattered on load by every rank copying its own shard out of the full
+// arrays it read.
 //
 // Batch arithmetic. Each rank runs grad_accum micro-batches of B sequences per optimizer step, so the
 // global batch is world * B * grad_accum sequences. Every rank scales its micro-batch losses by
@@ -75,6 +84,8 @@ struct ZeroPartition {
   size_t shard_size = 0;    // capacity of every shard, a multiple of kParamAlign
   size_t padded_total = 0;  // world_size * shard_size >= total: length of reduce-scatter/all-gather buffers
   std::vector<ZeroShard> shards;  // one per rank
+  // Offset of rank's shard in the padded reduce-scatter / all-gather buffers.
+  size_t slot(int rank) const { return static_cast<size_t>(rank) * shard_size; }
 };
 
 ZeroPartition make_zero_partition(const ParamLayout& layout, int world_size);
@@ -86,6 +97,10 @@ struct OwnedRange {
   size_t end = 0;
 };
 std::vector<OwnedRange> bucket_owners(const GradBucket& bucket, const ZeroPartition& partition);
+// Pieces of at most max_count elements that cover [0, partition.total) in buffer order, each inside the
+// shard of `rank`: the transfers through a staging buffer of max_count elements that gather or scatter
+// the sharded state. Throws std::invalid_argument when max_count is not a positive multiple of kParamAlign.
+std::vector<OwnedRange> shard_chunks(const ZeroPartition& partition, size_t max_count);
 
 struct BatchPlan {
   int world_size = 1;

@@ -452,8 +452,10 @@ void Communicator::all_gather(const void* send, void* recv, size_t shard_count, 
   check(ncclAllGather(send, recv, shard_count, nccl_type(type), comm_, stream_), "ncclAllGather");
 }
 
-void Communicator::broadcast(void* data, size_t count, DType type, int root) {
-  check(ncclBroadcast(data, data, count, nccl_type(type), root, comm_, stream_), "ncclBroadcast");
+void Communicator::broadcast(void* data, size_t count, DType type, int root) { broadcast(data, data, count, type, root); }
+
+void Communicator::broadcast(const void* send, void* recv, size_t count, DType type, int root) {
+  check(ncclBroadcast(send, recv, count, nccl_type(type), root, comm_, stream_), "ncclBroadcast");
 }
 
 void Communicator::group_start() { check(ncclGroupStart(), "ncclGroupStart"); }

@@ -128,6 +128,8 @@ class Communicator {
   // send == recv + rank * shard_count (elements).
   void all_gather(const void* send, void* recv, size_t shard_count, DType type);
   void broadcast(void* data, size_t count, DType type, int root);
+  // recv (count values, every rank, root included) = send of root; send is read on root only.
+  void broadcast(const void* send, void* recv, size_t count, DType type, int root);
   // Calls between group_start() and group_end() are issued as one NCCL group (e.g. the per-owner
   // reduces of one bucket under ZeRO-1).
   void group_start();

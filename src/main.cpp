@@ -9,8 +9,9 @@
 //
 // train runs data-parallel when a launcher (mpirun, srun) started several processes: init_distributed()
 // finds this process's rank and GPU, a Communicator spans the ranks, and ranks other than 0 log only
-// warnings. The device is checked before init_distributed, so a CPU run under a launcher fails with that
-// message and not with MPI's. An error on one rank of several ends the whole job through abort_job
+// warnings. zero1 = true makes the communicator also for a single process (ZeRO-1 over one rank, which
+// is how it is tested on one GPU). The device is checked before init_distributed, so a CPU run under a
+// launcher fails with that message and not with MPI's. An error on one rank of several ends the whole job through abort_job
 // (MPI_Abort when MPI is up), before the communicator is torn down: finalizing it would wait for peers
 // that are blocked waiting for this rank.
 #include <CLI/CLI.hpp>
@@ -140,7 +141,7 @@ int main(int argc, char** argv) {
       coda::require_data_parallel_device(config, coda::detect_launch().world_size);
       dist = coda::init_distributed();
       if (!dist.is_root()) spdlog::set_level(spdlog::level::warn);
-      if (dist.world_size > 1) comm = std::make_unique<coda::Communicator>(dist);
+      if (dist.world_size > 1 || config.zero1) comm = std::make_unique<coda::Communicator>(dist);
       coda::train(config, comm.get());
       comm.reset();
       coda::finalize_distributed(dist);

@@ -24,7 +24,14 @@
 // ranks. Rank 0 alone writes config.toml, metrics.jsonl and checkpoints and runs validation (the others
 // wait for it in the next step's all-reduce, so CODA_NCCL_TIMEOUT_S must exceed a validation plus a
 // checkpoint write). Checkpoints hold full state; resuming with another N * B continues the data stream
-// where it stopped (continued_position). With N = 1 no communicator exists and nothing of this runs.
+// where it stopped (continued_position). With N = 1 no communicator exists and nothing of this runs,
+// unless zero1 asks for one.
+//
+// ZeRO-1 (zero1 = true): the backend is made with the communicator and keeps only its shard of the fp32
+// master weights and AdamW moments; the loop is the same, but the gradient norm, the AdamW step and the
+// reads of a checkpoint are collective, so every rank takes part in save() and rank 0 alone writes. The
+// checkpoint holds the full state as without ZeRO-1, so either kind resumes with or without it, on any
+// number of ranks. It also runs on one rank (a communicator of one), which is how it is tested on one GPU.
 #include "train.hpp"
 
 #include <spdlog/spdlog.h>
@@ -66,12 +73,13 @@ namespace {
 bool use_cuda(const std::string& device) { return device == "cuda" || (device == "auto" && cuda_device_available()); }
 }  // namespace
 
-std::unique_ptr<Backend> make_backend(const RunConfig& config) {
+std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1) {
   if (use_cuda(config.device)) {
     const std::string best = coda_supports(config.model.arch) ? "coda" : "unfused";
     return make_cuda_backend(config.model, config.kernels == "auto" ? best : config.kernels, config.batch_size,
-                             config.seq_len);
+                             config.seq_len, zero1);
   }
+  if (zero1 != nullptr) throw std::logic_error("make_backend: ZeRO-1 on the cpu backend (checked earlier)");
   return make_cpu_backend(config.model, config.batch_size, config.seq_len);
 }
 
@@ -190,6 +198,10 @@ std::string duration_text(double seconds) {
 }  // namespace
 
 void require_data_parallel_device(const RunConfig& config, int world_size) {
+  if (config.zero1 && !use_cuda(config.device))
+    throw std::invalid_argument("device = " + config.device + (config.device == "auto" ? " (no GPU found)" : "") +
+                                ": zero1 = true shards the optimizer state of the cuda backend; use --device "
+                                "cuda or leave zero1 off");
   if (world_size > 1 && !use_cuda(config.device))
     throw std::invalid_argument("device = " + config.device + (config.device == "auto" ? " (no GPU found)" : "") +
                                 ": data parallelism over " + std::to_string(world_size) +
@@ -201,6 +213,8 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
   const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
   const bool root = rank == 0;
   require_data_parallel_device(config, world_size);
+  if (config.zero1 && comm == nullptr)
+    throw std::invalid_argument("zero1 = true needs a communicator, also on one rank (coda train makes one)");
   const ModelConfig& model = config.model;
   const int B = config.batch_size, T = config.seq_len, A = config.grad_accum;
   const BatchPlan plan = plan_batch(world_size, B, T, A);
@@ -225,7 +239,7 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
   if (root && !config.val_data.empty())
     val_data = std::make_unique<DataLoader>(config.val_data, B, T, 0, 1, false, 0, model.vocab_size);
 
-  std::unique_ptr<Backend> backend = make_backend(config);
+  std::unique_ptr<Backend> backend = make_backend(config, config.zero1 ? comm : nullptr);
   const ParamLayout layout = make_param_layout(model);
   int step = 0;
   if (resumed.has_trainer_state) {
@@ -259,12 +273,17 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
                layout.num_parameters(), backend->name(), train_data.total_tokens());
   spdlog::info("global batch {} sequences = {} ranks x batch_size {} x grad_accum {}; {} tokens per step",
                plan.global_batch(), world_size, B, A, plan.tokens_per_step());
+  if (config.zero1) spdlog::info("ZeRO-1: fp32 master weights and AdamW moments sharded over {} ranks", world_size);
   if (!resume_dir.empty()) spdlog::info("resumed from {} at step {}", resume_dir, step);
 
-  const auto save = [&](int at_step) {
+  // Called on every rank; under ZeRO-1 the reads gather the shards and need every rank, otherwise the other
+  // ranks have nothing to do. Returns the directory written (empty on ranks other than 0).
+  const auto save = [&](int at_step) -> std::string {
+    if (!root && !config.zero1) return {};
     std::vector<float> params(layout.total), m(layout.total), v(layout.total);
     backend->read_params(params.data());
     backend->read_optimizer_state(m.data(), v.data());
+    if (!root) return {};
     TrainerState state;
     state.step = at_step;
     state.data_position = train_data.position();
@@ -310,9 +329,13 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
     const double tokens_per_s = tokens_per_step / (ms / 1000.0);
     result.step = step;
     result.loss = loss;
-    if (!root) continue;
-
     const bool last = step == config.steps;
+    const bool checkpoint_due = (config.checkpoint_every > 0 && step % config.checkpoint_every == 0) || last;
+    if (!root) {
+      if (checkpoint_due) save(step);
+      continue;
+    }
+
     nlohmann::json record = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"ms", ms},
                              {"tokens_per_s", tokens_per_s}};
     if (val_data && config.val_every > 0 && (step % config.val_every == 0 || last)) {
@@ -334,7 +357,7 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
       window_steps = 0;
     }
     if (record.contains("val_loss")) spdlog::info("step {:>6}/{} | val_loss {:.4f}", step, config.steps, result.val_loss);
-    if ((config.checkpoint_every > 0 && step % config.checkpoint_every == 0) || last) result.checkpoint = save(step);
+    if (checkpoint_due) result.checkpoint = save(step);
   }
   if (first_step >= config.steps) spdlog::info("nothing to do: the run is already at step {} of {}", step, config.steps);
   return result;

@@ -18,8 +18,9 @@ float lr_at(const RunConfig& config, int step);
 
 // The one place that knows which backends this build has: the model of config on config.device
 // ("cpu", "cuda", or "auto": the best one this machine runs) with config.kernels, sized for
-// config.batch_size sequences of config.seq_len tokens.
-std::unique_ptr<Backend> make_backend(const RunConfig& config);
+// config.batch_size sequences of config.seq_len tokens. zero1: shard the optimizer state over its ranks
+// (cuda only; config.zero1 itself is read by train(), which passes its communicator here).
+std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1 = nullptr);
 // (device, kernels) of every backend this build and machine can run for a model of arch, in the order
 // `coda bench` times them (the unfused mode first, so the bench's "vs first" column is coda's speedup).
 std::vector<std::pair<std::string, std::string>> available_backends(Arch arch);
@@ -29,8 +30,8 @@ double peak_flops(const std::string& backend_name);
 // A checkpoint directory, or a run directory: then its newest step_N checkpoint. Throws naming path.
 std::string find_checkpoint(const std::string& path);
 
-// Data parallelism trains on GPUs only: throws std::invalid_argument naming the device key when
-// world_size > 1 and config.device does not resolve to the cuda backend.
+// Data parallelism and ZeRO-1 train on GPUs only: throws std::invalid_argument naming the device key when
+// world_size > 1 or config.zero1, and config.device does not resolve to the cuda backend.
 void require_data_parallel_device(const RunConfig& config, int world_size);
 
 struct TrainResult {
@@ -49,6 +50,7 @@ struct TrainResult {
 // process. With several ranks, rank r reads slice r of every global batch, gradients and the logged loss
 // are averaged over ranks, and rank 0 alone writes the run directory and validates; on the others
 // TrainResult::checkpoint stays empty and val_loss NaN. tokens_per_s counts the whole job.
+// config.zero1 needs comm (of any size, 1 included): the backend then shards its optimizer state over it.
 TrainResult train(const RunConfig& config, Communicator* comm = nullptr);
 
 struct EvalOptions {

@@ -1,23 +1,42 @@
-// The NCCL communicator on real GPUs, for any number of ranks: run as part of gpu_tests on one GPU, or as
-//   mpirun -np N ./build/gpu_tests --gtest_filter='Communicator.*'
+// The NCCL communicator and ZeRO-1 on real GPUs, for any number of ranks: run as part of gpu_tests on
+// one GPU, or as
+//   mpirun -np N ./build/gpu_tests --gtest_filter='Communicator.*:Zero*'
 // on N GPUs. Every rank fills its buffers from a seed that depends on its rank, so each rank can compute
 // on the host what the collective must return (the sum or mean over all ranks' data) and compare. The
-// last test does the same with the CUDA backend's data-parallel backward.
+// Communicator tests end with the CUDA backend's data-parallel backward; the Zero1 tests check the
+// sharded optimizer (make_cuda_backend with a communicator) against the CPU AdamW and against the
+// replicated optimizer, its checkpoint I/O, and (one rank) coda train's loop with zero1 on and off.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <map>
 #include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "adamw.hpp"
 #include "backend.hpp"
+#include "checkpoint.hpp"
+#include "config.hpp"
 #include "dist_plan.hpp"
 #include "distributed.hpp"
 #include "kernels/cuda_check.cuh"
 #include "model.hpp"
+#include "prepare.hpp"
 #include "rng.hpp"
+#include "test_util.hpp"
+#include "train.hpp"
 
 namespace coda {
 namespace {
@@ -277,6 +296,277 @@ TEST(Communicator, BackendAveragesGradientsDuringBackward) {
     run_micro_batch(rank, 1);
     backend->read_grads(grads.data());
     expect_close(grads, own, "local");
+  }
+}
+
+
+// ---- ZeRO-1 (the cuda backend made with a communicator: make_cuda_backend(..., &comm))
+
+// A model whose attention the kernels take (head_dim 64).
+ModelConfig zero1_model(Arch arch, int T, int n_layer, int d_model, int vocab_size) {
+  ModelConfig model;
+  model.arch = arch;
+  model.n_layer = n_layer;
+  model.d_model = d_model;
+  model.n_head = d_model / 64;
+  model.n_kv_head = arch == Arch::GPT2 ? model.n_head : 1;
+  model.d_ff = arch == Arch::GPT2 ? 4 * d_model : 344;
+  model.vocab_size = vocab_size;
+  model.max_seq_len = T;
+  model.tied_head = arch == Arch::GPT2;
+  return model;
+}
+
+// B sequences of T + 1 random tokens, drawn from (rank, step, micro).
+std::vector<int32_t> zero1_tokens(const ModelConfig& model, int B, int T, int rank, int step, int micro) {
+  Rng rng(7000 + 100 * static_cast<uint64_t>(rank) + 10 * static_cast<uint64_t>(step) + static_cast<uint64_t>(micro));
+  std::vector<int32_t> sequence(static_cast<size_t>(B) * T + 1);
+  for (int32_t& token : sequence) token = static_cast<int32_t>(rng.below(model.vocab_size));
+  return sequence;
+}
+
+// The mean over ranks of every rank's gradients, assembled on every rank: under ZeRO-1 each rank's
+// gradient buffer holds that mean on its own shard only, so each contributes its shard and the rest is summed.
+std::vector<float> assembled_mean_gradient(Backend& backend, Communicator& comm, const ZeroPartition& partition) {
+  std::vector<float> grads(partition.total);
+  backend.read_grads(grads.data());
+  const ZeroShard& shard = partition.shards[comm.rank()];
+  for (size_t i = 0; i < partition.total; ++i)
+    if (i < shard.begin || i >= shard.end) grads[i] = 0.0f;
+  DeviceBuffer buffer(partition.total * sizeof(float));
+  CUDA_CHECK(cudaMemcpy(buffer.ptr, grads.data(), partition.total * sizeof(float), cudaMemcpyHostToDevice));
+  comm.all_reduce(buffer.f32(), partition.total, ReduceOp::Sum);
+  comm.synchronize();
+  return download(buffer.f32(), partition.total);
+}
+
+// Elements where |got - want| > rel * |want| + abs; prints the first.
+size_t count_mismatches(const std::vector<float>& got, const std::vector<float>& want, double rel, double abs,
+                        const std::string& what) {
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (!(std::fabs(got[i] - want[i]) <= rel * std::fabs(want[i]) + abs) && bad++ == 0)
+      ADD_FAILURE() << what << " element " << i << ": " << got[i] << " vs " << want[i];
+  return bad;
+}
+
+// The sharded optimizer step against the CPU AdamW on the gradients the backend reduced: the norm composed
+// from the shards, the update of every shard (gathered back with read_params / read_optimizer_state), and
+// the all-gathered bf16 copy, which must give the very loss of a replicated backend loaded with the
+// gathered master weights. Three steps of two micro-batches, the second one reducing; the update is
+// scaled by 0.5 / norm so the composed norm drives it.
+TEST(Zero1, OptimizerStepMatchesReference) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Communicator comm(context());
+  const int rank = comm.rank();
+  const int B = 2, T = 64;
+  for (Arch arch : {Arch::GPT2, Arch::Llama}) {
+    SCOPED_TRACE(arch_name(arch));
+    const ModelConfig model = zero1_model(arch, T, 2, 128, 1000);
+    const ParamLayout layout = make_param_layout(model);
+    const ZeroPartition partition = make_zero_partition(layout, comm.world_size());
+    std::vector<float> params(layout.total), m(layout.total, 0.0f), v(layout.total, 0.0f);
+    init_params(model, layout, 9, params.data());
+    std::unique_ptr<Backend> sharded = make_cuda_backend(model, "unfused", B, T, &comm);
+    sharded->load_params(params.data());
+    sharded->load_optimizer_state(m.data(), v.data());
+    const AdamWHyper hyper{2e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+    for (int step = 1; step <= 3; ++step) {
+      sharded->zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {
+        const std::vector<int32_t> tokens = zero1_tokens(model, B, T, rank, step, micro);
+        if (micro == 1) sharded->average_grads_in_next_backward(comm);
+        sharded->forward_backward(tokens.data(), tokens.data() + 1, B, T, 0.5f);
+      }
+      const std::vector<float> grads = assembled_mean_gradient(*sharded, comm, partition);
+      double sumsq = 0.0;
+      for (float g : grads) sumsq += static_cast<double>(g) * g;
+      const float norm = sharded->grad_norm();
+      EXPECT_NEAR(norm, std::sqrt(sumsq), 1e-5 * std::sqrt(sumsq)) << "step " << step;
+      sharded->adamw_step(hyper, step, 0.5f / norm);
+      adamw_update(layout, params.data(), grads.data(), m.data(), v.data(), hyper, step, 0.5f / norm);
+    }
+    std::vector<float> got_params(layout.total), got_m(layout.total), got_v(layout.total);
+    sharded->read_params(got_params.data());
+    sharded->read_optimizer_state(got_m.data(), got_v.data());
+    EXPECT_EQ(count_mismatches(got_params, params, 1e-5, 1e-5 * hyper.lr, "params"), 0u);
+    EXPECT_EQ(count_mismatches(got_m, m, 1e-4, 1e-9, "adam m"), 0u);
+    EXPECT_EQ(count_mismatches(got_v, v, 1e-4, 1e-12, "adam v"), 0u);
+
+    std::unique_ptr<Backend> replicated = make_cuda_backend(model, "unfused", B, T);
+    replicated->load_params(got_params.data());
+    const std::vector<int32_t> tokens = zero1_tokens(model, B, T, rank, 9, 0);
+    EXPECT_EQ(sharded->forward_loss(tokens.data(), tokens.data() + 1, B, T),
+              replicated->forward_loss(tokens.data(), tokens.data() + 1, B, T));
+  }
+}
+
+// ZeRO-1 on and off over the same ranks and batches: the same losses, norms and weights after a few
+// steps, up to the summation order of the reductions (and of attention's dQ atomics).
+TEST(Zero1, TrainsLikeTheReplicatedOptimizer) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Communicator comm(context());
+  const int rank = comm.rank();
+  const int B = 2, T = 64;
+  for (Arch arch : {Arch::GPT2, Arch::Llama}) {
+    SCOPED_TRACE(arch_name(arch));
+    const ModelConfig model = zero1_model(arch, T, 3, 128, 1000);
+    const ParamLayout layout = make_param_layout(model);
+    std::vector<float> initial(layout.total);
+    init_params(model, layout, 5, initial.data());
+    std::unique_ptr<Backend> backends[2] = {make_cuda_backend(model, "unfused", B, T),
+                                            make_cuda_backend(model, "unfused", B, T, &comm)};
+    const AdamWHyper hyper{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+    for (auto& backend : backends) backend->load_params(initial.data());
+    for (int step = 1; step <= 4; ++step) {
+      float loss[2], norm[2];
+      for (int k = 0; k < 2; ++k) {
+        Backend& backend = *backends[k];
+        backend.zero_grad();
+        loss[k] = 0.0f;
+        for (int micro = 0; micro < 2; ++micro) {
+          const std::vector<int32_t> tokens = zero1_tokens(model, B, T, rank, step, micro);
+          if (micro == 1) backend.average_grads_in_next_backward(comm);
+          loss[k] += 0.5f * backend.forward_backward(tokens.data(), tokens.data() + 1, B, T, 0.5f);
+        }
+        norm[k] = backend.grad_norm();
+        backend.adamw_step(hyper, step, std::min(1.0f, 0.5f / norm[k]));
+      }
+      EXPECT_NEAR(loss[1], loss[0], 1e-4 * loss[0]) << "step " << step;
+      EXPECT_NEAR(norm[1], norm[0], 1e-4 * norm[0]) << "step " << step;
+    }
+    std::vector<float> params[2], m[2], v[2];
+    for (int k = 0; k < 2; ++k) {
+      params[k].resize(layout.total);
+      m[k].resize(layout.total);
+      v[k].resize(layout.total);
+      backends[k]->read_params(params[k].data());
+      backends[k]->read_optimizer_state(m[k].data(), v[k].data());
+    }
+    // The change of the weights, compared tensor by tensor in relative L2 norm.
+    for (const ParamTensor& tensor : layout.tensors) {
+      double diff = 0.0, moved = 0.0, m_diff = 0.0, m_norm = 0.0;
+      for (size_t i = tensor.offset; i < tensor.offset + tensor.numel; ++i) {
+        diff += std::pow(params[1][i] - params[0][i], 2);
+        moved += std::pow(params[0][i] - initial[i], 2);
+        m_diff += std::pow(m[1][i] - m[0][i], 2);
+        m_norm += std::pow(m[0][i], 2);
+      }
+      EXPECT_GT(moved, 0.0) << tensor.name;
+      EXPECT_LE(std::sqrt(diff), 1e-2 * std::sqrt(moved)) << tensor.name;
+      EXPECT_LE(std::sqrt(m_diff), 1e-3 * std::sqrt(m_norm)) << tensor.name;
+    }
+  }
+}
+
+// Checkpoint I/O of a sharded backend: every rank loads the full state and keeps its shard, reading
+// gathers the shards back bit for bit (a model large enough for several staging chunks), and the bf16
+// copy rebuilt on load gives the loss of a replicated backend loaded with the same weights.
+TEST(Zero1, LoadScattersAndReadGathersTheFullState) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Communicator comm(context());
+  const int B = 2, T = 64;
+  ModelConfig model = zero1_model(Arch::Llama, T, 3, 256, 4000);
+  model.tied_head = false;
+  const ParamLayout layout = make_param_layout(model);
+  ASSERT_GT(layout.total, size_t{3} << 20);  // several 1M-element chunks
+  std::vector<float> params(layout.total), m(layout.total, 0.0f), v(layout.total, 0.0f);
+  init_params(model, layout, 21, params.data());
+  Rng rng(22);
+  for (const ParamTensor& tensor : layout.tensors)
+    for (size_t i = tensor.offset; i < tensor.offset + tensor.numel; ++i) {
+      m[i] = static_cast<float>(1e-3 * rng.normal());
+      v[i] = static_cast<float>(1e-6 * rng.uniform());
+    }
+  std::unique_ptr<Backend> sharded = make_cuda_backend(model, "unfused", B, T, &comm);
+  sharded->load_params(params.data());
+  sharded->load_optimizer_state(m.data(), v.data());
+  std::vector<float> got_params(layout.total, -1.0f), got_m(layout.total, -1.0f), got_v(layout.total, -1.0f);
+  sharded->read_params(got_params.data());
+  sharded->read_optimizer_state(got_m.data(), got_v.data());
+  EXPECT_EQ(count_mismatches(got_params, params, 0.0, 0.0, "params"), 0u);
+  EXPECT_EQ(count_mismatches(got_m, m, 0.0, 0.0, "adam m"), 0u);
+  EXPECT_EQ(count_mismatches(got_v, v, 0.0, 0.0, "adam v"), 0u);
+
+  std::unique_ptr<Backend> replicated = make_cuda_backend(model, "unfused", B, T);
+  replicated->load_params(params.data());
+  const std::vector<int32_t> tokens = zero1_tokens(model, B, T, comm.rank(), 0, 0);
+  EXPECT_EQ(sharded->forward_loss(tokens.data(), tokens.data() + 1, B, T),
+            replicated->forward_loss(tokens.data(), tokens.data() + 1, B, T));
+}
+
+// Losses of metrics.jsonl by step.
+std::map<int, float> logged_losses(const std::string& out) {
+  std::map<int, float> losses;
+  std::ifstream file(out + "/metrics.jsonl");
+  for (std::string line; std::getline(file, line);) {
+    const nlohmann::json record = nlohmann::json::parse(line);
+    losses[record.at("step").get<int>()] = record.at("loss").get<float>();
+  }
+  return losses;
+}
+
+// coda train's loop with zero1 on one rank (the brief of the H200 check): the same losses as without it,
+// checkpoints holding the full state, and resuming across the modes (a ZeRO-1 checkpoint continued
+// without ZeRO-1 and the other way round) ending where the uninterrupted runs end. Gradient clipping is
+// on, so the composed norm takes part.
+TEST(Zero1, TrainCheckpointsResumeAcrossModes) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Communicator comm(context());
+  if (comm.world_size() != 1) GTEST_SKIP() << "one rank only: the ranks' temporary run directories differ";
+  spdlog::set_level(spdlog::level::warn);
+  test::TempDir root("coda_zero1_train");
+  prepare_synthetic(root / "data", 200000, 0, 4242, 100000);
+  RunConfig base;
+  base.model = zero1_model(Arch::GPT2, 64, 2, 128, kByteVocabSize);
+  base.train_data = root / "data/train_*.bin";
+  base.val_data = "";
+  base.batch_size = 4;
+  base.seq_len = 64;
+  base.grad_accum = 2;
+  base.steps = 6;
+  base.warmup_steps = 2;
+  base.lr = 2e-3f;
+  base.grad_clip = 0.5f;
+  base.device = "cuda";
+  base.log_every = 1000;
+  base.val_every = 0;
+  base.checkpoint_every = 3;
+  const auto run = [&](bool zero1, const std::string& out, const std::string& resume) {
+    RunConfig config = base;
+    config.zero1 = zero1;
+    config.out = root / out;
+    config.resume = resume.empty() ? "" : root / resume;
+    return train(config, &comm);
+  };
+  run(false, "plain", "");
+  run(true, "zero1", "");
+  run(false, "plain_from_zero1", "zero1/step_3");
+  run(true, "zero1_from_plain", "plain/step_3");
+
+  const std::map<int, float> plain = logged_losses(root / "plain"), sharded = logged_losses(root / "zero1");
+  ASSERT_EQ(plain.size(), 6u);
+  ASSERT_EQ(sharded.size(), 6u);
+  for (const auto& [step, loss] : plain) EXPECT_NEAR(sharded.at(step), loss, 1e-4 * loss) << "step " << step;
+  for (const auto& [resumed, reference] : {std::pair{"plain_from_zero1", &sharded}, std::pair{"zero1_from_plain", &plain}}) {
+    const std::map<int, float> losses = logged_losses(root / resumed);
+    ASSERT_EQ(losses.size(), 3u) << resumed;
+    for (const auto& [step, loss] : losses)
+      EXPECT_NEAR(loss, reference->at(step), 1e-4 * loss) << resumed << " step " << step;
+  }
+
+  // The ZeRO-1 checkpoint holds the full state: that of the plain run up to summation order.
+  const Checkpoint a = load_checkpoint(root / "plain/step_3"), b = load_checkpoint(root / "zero1/step_3");
+  for (const auto& [want, got, what] : {std::tuple{&a.params, &b.params, "params"},
+                                        std::tuple{&a.adam_m, &b.adam_m, "adam m"},
+                                        std::tuple{&a.adam_v, &b.adam_v, "adam v"}}) {
+    double diff = 0.0, norm = 0.0;
+    for (size_t i = 0; i < want->size(); ++i) {
+      diff += std::pow((*got)[i] - (*want)[i], 2);
+      norm += std::pow((*want)[i], 2);
+    }
+    EXPECT_GT(norm, 0.0) << what;
+    EXPECT_LE(std::sqrt(diff), 1e-4 * std::sqrt(norm)) << what;
   }
 }
 
