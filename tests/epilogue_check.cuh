@@ -70,35 +70,30 @@ constexpr Output kOutputs[] = {Output::Bf16, Output::Bf16Accumulate, Output::Fp3
 constexpr Output kBf16Outputs[] = {Output::Bf16, Output::Bf16Accumulate};
 constexpr GemmTile kTiles[] = {GemmTile::Cooperative128x256, GemmTile::PingPong128x128};
 
-// Operands of one GEMM on random data and its fp32 reference accumulators [M, N], on the host.
+// Operands of one GEMM of layout kLayout on random data and its fp32 reference accumulators [M, N], on
+// the host. The layout is a template parameter so that each program is compiled for one layout only.
+template <GemmLayout kLayout>
 struct Problem {
-  GemmLayout layout;
   int M, N, K;
   DeviceBuffer<bf16> A, B;
   std::vector<float> acc;
-  Problem(GemmLayout l, int m, int n, int k) : layout(l), M(m), N(n), K(k), A(size_t(m) * k), B(size_t(k) * n) {
+  Problem(int m, int n, int k) : M(m), N(n), K(k), A(size_t(m) * k), B(size_t(k) * n) {
     testing::fill_uniform(A.get(), A.size(), 31 + m);
     testing::fill_uniform(B.get(), B.size(), 47 + n);
     DeviceBuffer<float> ref(size_t(m) * n);
-    testing::reference_gemm(l, ref.get(), A.get(), B.get(), m, n, k);
+    testing::reference_gemm(kLayout, ref.get(), A.get(), B.get(), m, n, k);
     acc = ref.download();
   }
   int tiles_n(GemmTile tile) const { return (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile); }
+  template <class OutT, class Program>
+  void launch(GemmTile tile, OutT* D, bool accumulate, const Program& program) const {
+    gemm_run<kLayout>(tile, D, A.get(), B.get(), M, N, K, accumulate, program, nullptr);
+  }
 };
 
-template <class OutT, class Program>
-void launch(const Problem& p, GemmTile tile, OutT* D, bool accumulate, const Program& program) {
-  if (p.layout == GemmLayout::Forward)
-    gemm_run<GemmLayout::Forward>(tile, D, p.A.get(), p.B.get(), p.M, p.N, p.K, accumulate, program, nullptr);
-  else if (p.layout == GemmLayout::Dgrad)
-    gemm_run<GemmLayout::Dgrad>(tile, D, p.A.get(), p.B.get(), p.M, p.N, p.K, accumulate, program, nullptr);
-  else
-    gemm_run<GemmLayout::Wgrad>(tile, D, p.A.get(), p.B.get(), p.M, p.N, p.K, accumulate, program, nullptr);
-}
-
 // Host evaluation of make(false) over p.acc: the expected main output.
-template <class Make>
-std::vector<float> evaluate(const Problem& p, GemmTile tile, Make&& make) {
+template <class P, class Make>
+std::vector<float> evaluate(const P& p, GemmTile tile, Make&& make) {
   using Program = decltype(make(false));
   const size_t out_cols = size_t(p.N) * Program::kOutsPerCol / Program::kColsPerOut;
   std::vector<float> want(size_t(p.M) * out_cols, NAN);
@@ -109,8 +104,8 @@ std::vector<float> evaluate(const Problem& p, GemmTile tile, Make&& make) {
 // Runs make(true) in the GEMM with a bf16 output (stored, or accumulate-stored into random contents) and
 // make(false) on the host over p.acc, and compares the main outputs (tolerance: bf16 rounding). The
 // caller compares the program's other outputs afterwards.
-template <class Make>
-void run_both_bf16(const Problem& p, GemmTile tile, Output mode, Make&& make) {
+template <class P, class Make>
+void run_both_bf16(const P& p, GemmTile tile, Output mode, Make&& make) {
   std::vector<float> want = evaluate(p, tile, make);
   DeviceBuffer<bf16> D(want.size());
   if (mode == Output::Bf16Accumulate) {
@@ -120,25 +115,26 @@ void run_both_bf16(const Problem& p, GemmTile tile, Output mode, Make&& make) {
   } else {
     D.poison();
   }
-  launch(p, tile, D.get(), mode == Output::Bf16Accumulate, make(true));
+  p.launch(tile, D.get(), mode == Output::Bf16Accumulate, make(true));
   EXPECT_LT(rel_error(D.download(), want), 5e-3) << "main output";
 }
 
 // The same for every output mode; fp32 output: tolerance fp32_tolerance, set by the program's
 // approximate functions.
-template <class Make>
-void run_both(const Problem& p, GemmTile tile, Output mode, Make&& make, double fp32_tolerance) {
+template <class P, class Make>
+void run_both(const P& p, GemmTile tile, Output mode, Make&& make, double fp32_tolerance) {
   if (mode != Output::Fp32) return run_both_bf16(p, tile, mode, make);
   const std::vector<float> want = evaluate(p, tile, make);
   DeviceBuffer<float> D(want.size());
   D.poison();
-  launch(p, tile, D.get(), false, make(true));
+  p.launch(tile, D.get(), false, make(true));
   EXPECT_LT(rel_error(D.download(), want), fp32_tolerance) << "main output";
 }
 
 // The trace line of one case.
-inline std::string describe(const Problem& p, GemmTile tile, Output mode) {
-  return std::string(p.layout == GemmLayout::Forward ? "forward" : p.layout == GemmLayout::Dgrad ? "dgrad" : "wgrad") +
+template <GemmLayout kLayout>
+std::string describe(const Problem<kLayout>& p, GemmTile tile, Output mode) {
+  return std::string(kLayout == GemmLayout::Forward ? "forward" : kLayout == GemmLayout::Dgrad ? "dgrad" : "wgrad") +
          " M=" + std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" + std::to_string(p.K) + " " +
          gemm_tile_name(tile) + " " + output_name(mode);
 }

@@ -20,7 +20,7 @@ using namespace coda::test::epilogue;
 // row sum and sum of squares (partials per N tile), then a fp32 bias.
 TEST(GpuEpilogue, RowScaleGammaResidualAuxAndRowSums) {
   SKIP_WITHOUT_GPU();
-  const Problem p(GemmLayout::Forward, 1000, 776, 328);
+  const Problem<GemmLayout::Forward> p(1000, 776, 328);
   const int M = p.M, N = p.N, kCount = 3;
   Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 1);
   Mirrored<bf16> gamma(N, 0.5f, 1.5f, 2), residual(size_t(M) * N, -2.0f, 2.0f, 3);
@@ -48,7 +48,7 @@ TEST(GpuEpilogue, RowScaleGammaResidualAuxAndRowSums) {
 // rotated values kept in fp32, their sum of squares.
 TEST(GpuEpilogue, RopeAfterRowScaleWithFp32AuxAndSumSquares) {
   SKIP_WITHOUT_GPU();
-  const Problem p(GemmLayout::Forward, 936, 776, 328);
+  const Problem<GemmLayout::Forward> p(936, 776, 328);
   const int M = p.M, N = p.N;
   const Rope rope{600, 64, 512, 13.287712f};  // theta = 10000
   Mirrored<float> r(M, 0.5f, 2.0f, 5);
@@ -70,7 +70,7 @@ TEST(GpuEpilogue, RopeAfterRowScaleWithFp32AuxAndSumSquares) {
 // dot with a fp32 column vector, column sums per 16-row group.
 TEST(GpuEpilogue, TargetPickLogSumExpRowDotAndColumnSums) {
   SKIP_WITHOUT_GPU();
-  const Problem p(GemmLayout::Forward, 1000, 1288, 328);
+  const Problem<GemmLayout::Forward> p(1000, 1288, 328);
   const int M = p.M, N = p.N, kCount = 2, groups = prog::column_partial_groups(M);
   Mirrored<float> sumsq_in(size_t(M) * kCount, 200.0f, 600.0f, 6), c(N, -1.0f, 1.0f, 7);
   Mirrored<int32_t> target(M, 0.0f, static_cast<float>(N), 8);
@@ -112,7 +112,7 @@ TEST(GpuEpilogue, TargetPickLogSumExpRowDotAndColumnSums) {
 // pair kept (bf16 aux), the sum of squares and a column dot with a bf16 tile of the half-width output.
 TEST(GpuEpilogue, SwiGluHalvesTheWidthWithAuxSumSquaresAndColumnDot) {
   SKIP_WITHOUT_GPU();
-  const Problem p(GemmLayout::Forward, 936, 784, 328);
+  const Problem<GemmLayout::Forward> p(936, 784, 328);
   const int M = p.M, N = p.N, groups = prog::column_partial_groups(M);
   Mirrored<float> r(M, 0.5f, 2.0f, 9);
   Mirrored<bf16> t(size_t(M) * N / 2, -1.0f, 1.0f, 10);

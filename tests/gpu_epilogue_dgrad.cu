@@ -22,7 +22,7 @@ using namespace coda::test::epilogue;
 // recomputed activation, <dz, z> partials against (g, u), then the norm's row scale.
 TEST(GpuEpilogue, SwiGluBackwardWritesInterleavedGradients) {
   SKIP_WITHOUT_GPU();
-  const Problem p(GemmLayout::Dgrad, 1000, 776, 328);
+  const Problem<GemmLayout::Dgrad> p(1000, 776, 328);
   const int M = p.M, N = p.N, kCount = 2;
   Mirrored<bf16> gu(size_t(M) * 2 * N, -3.0f, 3.0f, 11);
   Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 12);
@@ -46,7 +46,7 @@ TEST(GpuEpilogue, SwiGluBackwardWritesInterleavedGradients) {
 // Without the act store (the forward saved act): same main output, act memory untouched.
 TEST(GpuEpilogue, SwiGluBackwardWithoutActStore) {
   SKIP_WITHOUT_GPU();
-  const Problem p(GemmLayout::Dgrad, 936, 784, 328);
+  const Problem<GemmLayout::Dgrad> p(936, 784, 328);
   const int M = p.M, N = p.N;
   Mirrored<bf16> gu(size_t(M) * 2 * N, -3.0f, 3.0f, 13);
   for (GemmTile tile : kTiles) {
@@ -67,7 +67,7 @@ TEST(GpuEpilogue, SwiGluBackwardWithoutActStore) {
 // statistic and a column vector, a scaled subtraction of a bf16 tile, and a final GELU.
 TEST(GpuEpilogue, NormBackwardPiecesColumnAndRowDotsScaledSubtractions) {
   SKIP_WITHOUT_GPU();
-  const Problem p(GemmLayout::Dgrad, 936, 784, 328);
+  const Problem<GemmLayout::Dgrad> p(936, 784, 328);
   const int M = p.M, N = p.N, kCount = 3, groups = prog::column_partial_groups(M);
   Mirrored<bf16> pre(size_t(M) * N, -3.0f, 3.0f, 14), h(size_t(M) * N, -2.0f, 2.0f, 15);
   Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 16), c(N, -1.0f, 1.0f, 17), alpha(M, -1.0f, 1.0f, 18);

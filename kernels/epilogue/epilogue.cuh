@@ -37,7 +37,18 @@
 
 namespace coda::epi {
 
+// Loops over the values of a Frag run to the constant Frag::kMaxWidth and test f.width, and are unrolled:
+// a loop to the run-time f.width that stays rolled (long programs exceed the unroller's budget) indexes
+// f.v at run time, which puts the Frag, and with it the program's per-row state, in local memory.
+#if defined(__CUDACC__)
+#define CODA_UNROLL _Pragma("unroll")
+#else
+#define CODA_UNROLL
+#endif
+#define CODA_FOR_VALUES(i, f) CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < (f).width)
+
 struct Frag {
+  static constexpr int kMaxWidth = 4;
   int slot;    // which of the thread's rows (0 or 1)
   int row;     // global row
   int col;     // accumulator column of v[0] (even)
@@ -51,12 +62,17 @@ struct Frag {
 CODA_HD int out_col(const Frag& f) { return f.col * f.expand / f.stride; }
 
 struct RowCtx {
-  int rows[2];    // global rows of the slots
-  int num_slots;  // 2 on the GPU, 1 on the host
+  static constexpr int kMaxSlots = 2;
+  int rows[kMaxSlots];  // global rows of the slots
+  int num_slots;        // 2 on the GPU, 1 on the host
   int n0;         // first accumulator column of the N tile
   int tile_n;     // index of the N tile: the partial-reduction column
   int tiles_n;    // number of N tiles: the partial buffer's row length
   int M, N;       // accumulator extents
+  // Slot s is in use. Loops over slots run to the constant kMaxSlots and test this, so the compiler
+  // unrolls them and keeps per-slot state in registers (a loop to num_slots, around a loop of unknown
+  // length such as a sum of partials, stayed rolled and put the state in local memory).
+  CODA_HD bool has_slot(int s) const { return s < num_slots; }
 };
 
 // Threads sharing a row, host side: a single thread owns the whole row.
@@ -91,6 +107,16 @@ CODA_HD float fast_tanh(float x) {
   return y;
 #else
   return std::tanh(x);
+#endif
+}
+
+// 1 / (1 + e^-x) with the hardware exp and reciprocal on the GPU (an IEEE division costs a check and a
+// slow-path call per value); e^-x = inf for x < -88 gives 1 / inf = 0, the right limit.
+CODA_HD float fast_sigmoid(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fdividef(1.0f, 1.0f + __expf(-x));
+#else
+  return 1.0f / (1.0f + std::exp(-x));
 #endif
 }
 
@@ -201,7 +227,8 @@ struct Rope {
   float position[2] = {0.0f, 0.0f};
   float log2_freq_step = 0.0f;  // log2 of theta^(-1 / head_dim)
   CODA_HD void begin_rows(const RowCtx& ctx) {
-    for (int s = 0; s < ctx.num_slots; ++s) position[s] = static_cast<float>(ctx.rows[s] % seq_len);
+    for (int s = 0; s < RowCtx::kMaxSlots; ++s)
+      if (ctx.has_slot(s)) position[s] = static_cast<float>(ctx.rows[s] % seq_len);
     log2_freq_step = -log2_theta / static_cast<float>(head_dim);
   }
   CODA_HD void operator()(const Frag& f, float a, float b, float* out) const {
@@ -251,7 +278,8 @@ struct RowOf {
   float value[2] = {0.0f, 0.0f};
   CODA_HD RowOf(const Stat& s) : stat(s) {}  // implicit: RowBroadcast<Op, RowOf<S>>(stat)
   CODA_HD void begin_rows(const RowCtx& ctx) {
-    for (int s = 0; s < ctx.num_slots; ++s) value[s] = ctx.rows[s] < ctx.M ? stat(ctx.rows[s]) : 0.0f;
+    for (int s = 0; s < RowCtx::kMaxSlots; ++s)
+      if (ctx.has_slot(s)) value[s] = ctx.rows[s] < ctx.M ? stat(ctx.rows[s]) : 0.0f;
   }
   CODA_HD float operator()(const Frag& f, const RowCtx&, int) const { return value[f.slot]; }
 };
@@ -300,7 +328,7 @@ struct RowBroadcast : Primitive {
   CODA_HD explicit RowBroadcast(const V& v) : x(v) {}
   CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], x(f, ctx, i));
+    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], x(f, ctx, i));
   }
 };
 
@@ -312,7 +340,7 @@ struct ColBroadcast : Primitive {
   CODA_HD explicit ColBroadcast(const T* v) : vec(v) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     const int c = input_col(f, ctx);
-    for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], load_input(vec + c + i));
+    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], load_input(vec + c + i));
   }
 };
 
@@ -325,7 +353,7 @@ struct TileLoad : Primitive {
   CODA_HD TileLoad(const __nv_bfloat16* s, int l) : src(s), ld(l) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     const __nv_bfloat16* p = src + input_offset(f, ctx, ld);
-    for (int i = 0; i < f.width; ++i) f.v[i] = Op()(f.v[i], load_input(p + i));
+    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], load_input(p + i));
   }
 };
 
@@ -335,7 +363,7 @@ struct Elementwise : Primitive {
   F fn;
   CODA_HD explicit Elementwise(const F& f = F()) : fn(f) {}
   CODA_HD void visit(Frag& f, const RowCtx&) {
-    for (int i = 0; i < f.width; ++i) f.v[i] = fn(f.v[i]);
+    CODA_FOR_VALUES(i, f) f.v[i] = fn(f.v[i]);
   }
 };
 
@@ -366,22 +394,25 @@ struct StoreAux : Primitive {
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N || f.row >= ctx.M) return;
     T* p = dst + static_cast<size_t>(f.row) * ld + out_col(f);
-    for (int i = 0; i < f.width; ++i) p[i] = static_cast<T>(f.v[i]);
+    CODA_FOR_VALUES(i, f) p[i] = static_cast<T>(f.v[i]);
   }
 };
 
-// Row pick: out[row] = v at accumulator column idx[row] (the target logit of cross-entropy).
+// Row pick: out[row] = v at accumulator column idx[row] (the target logit of cross-entropy). Before any
+// width change only (a frag is then the pair col, col + 1). The value is selected, not indexed: f.v[d]
+// with a run-time d would put every Frag of the program in local memory.
 struct RowPick : Primitive {
   const int32_t* idx;
   float* out;
   int target[2] = {-1, -1};
   CODA_HD RowPick(const int32_t* i, float* o) : idx(i), out(o) {}
   CODA_HD void begin_rows(const RowCtx& ctx) {
-    for (int s = 0; s < ctx.num_slots; ++s) target[s] = ctx.rows[s] < ctx.M ? idx[ctx.rows[s]] : -1;
+    for (int s = 0; s < RowCtx::kMaxSlots; ++s)
+      if (ctx.has_slot(s)) target[s] = ctx.rows[s] < ctx.M ? idx[ctx.rows[s]] : -1;
   }
   CODA_HD void visit(Frag& f, const RowCtx&) {
     const int d = target[f.slot] - f.col;
-    if (f.stride == 1 && d >= 0 && d < f.width) out[f.row] = f.v[d];
+    if (f.stride == 1 && f.expand == 1 && (d == 0 || d == 1)) out[f.row] = d == 0 ? f.v[0] : f.v[1];
   }
 };
 
@@ -457,17 +488,17 @@ struct RowReduce : Primitive {
   float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, 0.0f};
   CODA_HD explicit RowReduce(typename Kind::Out* o, int end = 0x7fffffff) : out(o), col_end(end) {}
   CODA_HD void begin_rows(const RowCtx& ctx) {
-    for (int s = 0; s < ctx.num_slots; ++s) Kind::init(a[s], b[s]);
+    for (int s = 0; s < RowCtx::kMaxSlots; ++s) Kind::init(a[s], b[s]);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
     const int c = out_col(f);
-    for (int i = 0; i < f.width; ++i)
-      if (c + i < col_end) Kind::add(a[f.slot], b[f.slot], f.v[i]);
+    CODA_FOR_VALUES(i, f) if (c + i < col_end) Kind::add(a[f.slot], b[f.slot], f.v[i]);
   }
   template <class Lanes>
   CODA_HD void end_rows(const RowCtx& ctx, const Lanes& lanes) {
-    for (int s = 0; s < ctx.num_slots; ++s) {
+    for (int s = 0; s < RowCtx::kMaxSlots; ++s) {
+      if (!ctx.has_slot(s)) break;
       for (int mask = 1; mask < lanes.count(); mask <<= 1) {
         const float a2 = lanes.xor_shuffle(a[s], mask), b2 = lanes.xor_shuffle(b[s], mask);
         Kind::merge(a[s], b[s], a2, b2);
@@ -492,7 +523,7 @@ struct SubScaled : Primitive {
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    for (int i = 0; i < f.width; ++i) f.v[i] -= alpha(f, ctx, i) * x(f, ctx, i);
+    CODA_FOR_VALUES(i, f) f.v[i] -= alpha(f, ctx, i) * x(f, ctx, i);
   }
 };
 
@@ -508,7 +539,7 @@ struct RowDot : RowReduce<Sum> {
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    for (int i = 0; i < f.width; ++i) a[f.slot] += f.v[i] * x(f, ctx, i);
+    CODA_FOR_VALUES(i, f) a[f.slot] += f.v[i] * x(f, ctx, i);
   }
 };
 
@@ -531,21 +562,21 @@ struct ColDot : Primitive {
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
     float y[4];
-    for (int i = 0; i < f.width; ++i) y[i] = f.row < ctx.M ? f.v[i] * x(f, ctx, i) : 0.0f;
+    CODA_FOR_VALUES(i, f) y[i] = f.row < ctx.M ? f.v[i] * x(f, ctx, i) : 0.0f;
     float* p = out + static_cast<size_t>(f.row / kRows) * ld + out_col(f);
 #if defined(__CUDA_ARCH__)
     if (f.slot == 0) {
-      for (int i = 0; i < f.width; ++i) first[i] = y[i];
+      CODA_FOR_VALUES(i, f) first[i] = y[i];
       return;
     }
-    for (int i = 0; i < f.width; ++i) {
+    CODA_FOR_VALUES(i, f) {
       y[i] += first[i];
       for (int mask = 4; mask < 32; mask <<= 1) y[i] += __shfl_xor_sync(0xffffffffu, y[i], mask);
     }
     if ((threadIdx.x & 31) < 4 && (f.row / kRows) * kRows < ctx.M)
-      for (int i = 0; i < f.width; ++i) p[i] = y[i];
+      CODA_FOR_VALUES(i, f) p[i] = y[i];
 #else
-    for (int i = 0; i < f.width; ++i) p[i] = (f.row % kRows == 0 ? 0.0f : p[i]) + y[i];
+    CODA_FOR_VALUES(i, f) p[i] = (f.row % kRows == 0 ? 0.0f : p[i]) + y[i];
 #endif
   }
 };
@@ -567,18 +598,18 @@ struct SwiGluBackward : Primitive {
     float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const bool inside = f.col < ctx.N && f.row < ctx.M;
     const int row = input_row(f, ctx), c0 = input_col(f, ctx);
-    for (int i = 0; i < f.width; ++i) {
+    CODA_FOR_VALUES(i, f) {
       const int c = c0 + i;
       const __nv_bfloat16* p = gu + static_cast<size_t>(row) * ld_gu + 2 * c;
       const float g = load_input(p), u = load_input(p + 1);
-      const float s = 1.0f / (1.0f + fast_exp(-g)), silu = g * s;
+      const float s = fast_sigmoid(g), silu = g * s;
       out[2 * i] = f.v[i] * u * s * (1.0f + g * (1.0f - s));
       out[2 * i + 1] = f.v[i] * silu;
       if (inside && act != nullptr) act[static_cast<size_t>(row) * ld_act + c] = static_cast<T>(silu * u);
     }
     f.width *= 2;
     f.expand *= 2;
-    for (int i = 0; i < f.width; ++i) f.v[i] = out[i];
+    CODA_FOR_VALUES(i, f) f.v[i] = out[i];
   }
 };
 

@@ -224,6 +224,20 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       sm90::mbar_wait(&turn[cw], (my_units++ & 1) ^ (cw == 0 ? 1 : 0));
     }
 
+    // The program's per-row loads (row operands, targets) are issued before the mainloop, so their
+    // latency runs under the MMAs instead of stalling the first fragment of each 64-row block. (Issued
+    // just before wgmma.wait_group 0 instead, ptxas moved most of them below the wait.) Costs a few
+    // registers across the mainloop: no spills at the 168-register cap (ptxas -v).
+    const int n0 = u.n_tile * Cfg::kBN;
+    auto block_ctx = [&](int s) {
+      const int m_block = u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64;
+      return epi::RowCtx{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
+    };
+    const epi::RowCtx ctx0 = block_ctx(0), ctx1 = block_ctx(1);
+    Program prog0 = program, prog1 = program;
+    prog0.begin_rows(ctx0);
+    if constexpr (Cfg::kSubs == 2) prog1.begin_rows(ctx1);
+
     // ---- mainloop ----
     uint32_t prev_slot = 0;
     for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -248,30 +262,18 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     }
     if (Cfg::kPingPong && lane == 0) sm90::mbar_arrive(&turn[cw ^ 1]);  // all my stages waited on: your turn
 
-    // The program's per-row loads (row operands, targets) are issued here, so their latency runs under
-    // the last MMAs instead of stalling the first fragment of each 64-row block.
-    const int n0 = u.n_tile * Cfg::kBN;
-    Program progs[2] = {program, program};
-    epi::RowCtx ctxs[2];
-#pragma unroll
-    for (int s = 0; s < Cfg::kSubs; ++s) {
-      const int m_block = u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64;
-      ctxs[s] = epi::RowCtx{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
-      progs[s].begin_rows(ctxs[s]);
-    }
-
     sm90::wgmma_wait<0>();
     if (lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
 #pragma unroll
     for (int s = 0; s < Cfg::kSubs; ++s) sm90::fence_registers(acc[s]);
 
     // ---- epilogue ----
-#pragma unroll
-    for (int s = 0; s < Cfg::kSubs; ++s) {
-      const int m_block = u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64;
-      if (m_block >= p.M) continue;
-      const epi::RowCtx& ctx = ctxs[s];
-      Program& prog = progs[s];
+    // One 64-row block: its program copy, its rows, its accumulators (separate variables per block, not
+    // arrays indexed by the block: with arrays the compiler kept some programs' per-row state in local
+    // memory).
+    auto store_block = [&](Program& prog, const epi::RowCtx& ctx, const float(&a)[Cfg::kAcc]) {
+      const int m_block = ctx.rows[0] - r0;
+      if (m_block >= p.M) return;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         const int out_col0 = n0 * kExpand / kRatio + c * kOutCols;
@@ -285,7 +287,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
           const int col = n0 + j * 8 + 2 * (lane & 3);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {acc[s][4 * j + 2 * h], acc[s][4 * j + 2 * h + 1]}};
+            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[4 * j + 2 * h], a[4 * j + 2 * h + 1]}};
             prog.visit(f, ctx);
             stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) * kExpand / kRatio - c * kOutCols, f.v);
           }
@@ -301,7 +303,9 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
         }
       }
       prog.end_rows(ctx, epi::QuadLanes{lane});
-    }
+    };
+    store_block(prog0, ctx0, acc[0]);
+    if constexpr (Cfg::kSubs == 2) store_block(prog1, ctx1, acc[1]);
   }
   if (t == 0) sm90::bulk_wait<0>();
 }
