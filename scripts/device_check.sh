@@ -35,10 +35,10 @@ if [[ -z "${CODA_PREBUILT:-}" ]]; then
 fi
 
 echo "== GPU tests"
-"$bin/gpu_tests" >"$logs/gpu_tests.log" 2>&1 || status=1
+"$bin/gpu_tests" --gtest_color=no >"$logs/gpu_tests.log" 2>&1 || status=1
 grep -E '^\[  FAILED|^\[  PASSED|tests ran' "$logs/gpu_tests.log"
 echo "== GPU tests under mpirun -np 1 (communicator, ZeRO-1)"
-mpirun -np 1 "$bin/gpu_tests" --gtest_filter='Communicator.*:Zero*' >"$logs/gpu_tests_mpi.log" 2>&1 || status=1
+mpirun -np 1 "$bin/gpu_tests" --gtest_color=no --gtest_filter='Communicator.*:Zero*' >"$logs/gpu_tests_mpi.log" 2>&1 || status=1
 grep -E '^\[  FAILED|^\[  PASSED' "$logs/gpu_tests_mpi.log"
 
 if [[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]]; then

@@ -58,32 +58,11 @@ void CodaBackend::loss_forward(int B, int T) {
                             stream_);
 }
 
-// ---- the architectures' CODA backends: the one switch ----
-
-namespace {
-
-using CodaFactory = std::unique_ptr<CudaBackend> (*)(const ModelConfig&, int, int);
-
-// nullptr: the architecture's CODA mode is not built yet.
-CodaFactory coda_factory(Arch arch) {
-  switch (arch) {
-    case Arch::Llama: return make_coda_llama_backend;
-    case Arch::GPT2: return make_coda_gpt2_backend;
-  }
-  return nullptr;
-}
-
-}  // namespace
-
-bool coda_supports(Arch arch) { return coda_factory(arch) != nullptr; }
-
 std::unique_ptr<CudaBackend> make_coda_backend(const ModelConfig& config, int max_batch, int max_seq_len,
                                                Communicator* zero1) {
-  const CodaFactory factory = coda_factory(config.arch);
-  if (factory == nullptr)
-    throw std::invalid_argument(std::string("kernels: the coda mode of ") + arch_name(config.arch) +
-                                " is not built yet (use kernels = unfused)");
-  std::unique_ptr<CudaBackend> backend = factory(config, max_batch, max_seq_len);
+  std::unique_ptr<CudaBackend> backend = config.arch == Arch::Llama
+                                             ? make_coda_llama_backend(config, max_batch, max_seq_len)
+                                             : make_coda_gpt2_backend(config, max_batch, max_seq_len);
   if (zero1 != nullptr) backend->shard_optimizer_state(*zero1);
   backend->allocate();
   return backend;

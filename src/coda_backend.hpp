@@ -59,15 +59,11 @@ class CodaBackend : public CudaBackend {
   int lse_count_ = 0;                               // set by the head forward
 };
 
-// The CODA backend of config.arch, allocated. Throws std::invalid_argument for an architecture whose
-// CODA mode this build does not have yet (coda_supports).
+// The CODA backend of config.arch, allocated; with zero1, its optimizer state sharded over zero1's ranks.
 std::unique_ptr<CudaBackend> make_coda_backend(const ModelConfig& config, int max_batch, int max_seq_len,
                                                Communicator* zero1 = nullptr);
-// Whether this build has the CODA mode of arch: what --kernels auto and `coda bench` go by.
-bool coda_supports(Arch arch);
 
-// The architectures' CODA backends, not allocated yet (coda_llama.cu, ...): the entries of the one
-// switch in coda_backend.cu (coda_factory) that make_coda_backend and coda_supports read.
+// The architectures' CODA backends, not allocated yet (coda_llama.cu, coda_gpt2.cu).
 std::unique_ptr<CudaBackend> make_coda_llama_backend(const ModelConfig& config, int max_batch, int max_seq_len);
 std::unique_ptr<CudaBackend> make_coda_gpt2_backend(const ModelConfig& config, int max_batch, int max_seq_len);
 

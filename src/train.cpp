@@ -67,26 +67,24 @@ float lr_at(const RunConfig& c, int step) {
 }
 
 // ---- Backend selection: the only code that knows which backends exist. --device auto takes the GPU
-// when there is one; --kernels auto is the best CUDA mode this build has for the architecture: coda
-// where it is built (coda_supports), unfused otherwise.
+// when there is one; --kernels auto is the CODA mode there (docs/PERFORMANCE.md says how the modes
+// compare today; `coda bench` times both).
 namespace {
 bool use_cuda(const std::string& device) { return device == "cuda" || (device == "auto" && cuda_device_available()); }
 }  // namespace
 
 std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1) {
   if (use_cuda(config.device)) {
-    const std::string best = coda_supports(config.model.arch) ? "coda" : "unfused";
-    return make_cuda_backend(config.model, config.kernels == "auto" ? best : config.kernels, config.batch_size,
+    return make_cuda_backend(config.model, config.kernels == "auto" ? "coda" : config.kernels, config.batch_size,
                              config.seq_len, zero1);
   }
   if (zero1 != nullptr) throw std::logic_error("make_backend: ZeRO-1 on the cpu backend (checked earlier)");
   return make_cpu_backend(config.model, config.batch_size, config.seq_len);
 }
 
-std::vector<std::pair<std::string, std::string>> available_backends(Arch arch) {
+std::vector<std::pair<std::string, std::string>> available_backends() {
   if (!use_cuda("auto")) return {{"cpu", "auto"}};
-  if (coda_supports(arch)) return {{"cuda", "unfused"}, {"cuda", "coda"}};
-  return {{"cuda", "unfused"}};
+  return {{"cuda", "unfused"}, {"cuda", "coda"}};
 }
 
 double peak_flops(const std::string& backend_name) {

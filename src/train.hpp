@@ -21,9 +21,9 @@ float lr_at(const RunConfig& config, int step);
 // config.batch_size sequences of config.seq_len tokens. zero1: shard the optimizer state over its ranks
 // (cuda only; config.zero1 itself is read by train(), which passes its communicator here).
 std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1 = nullptr);
-// (device, kernels) of every backend this build and machine can run for a model of arch, in the order
-// `coda bench` times them (the unfused mode first, so the bench's "vs first" column is coda's speedup).
-std::vector<std::pair<std::string, std::string>> available_backends(Arch arch);
+// (device, kernels) of every backend this build and machine can run, in the order `coda bench` times
+// them (the unfused mode first, so the bench's "vs first" column is coda's speedup).
+std::vector<std::pair<std::string, std::string>> available_backends();
 // Peak dense FLOP/s of the device a backend (by its name()) runs on, for MFU; 0 when unknown.
 double peak_flops(const std::string& backend_name);
 

@@ -1,6 +1,6 @@
 // A whole tiny model on the GPU against the fp32 CPU backend (make_cpu_backend), for every (architecture,
 // kernels mode) this build has — unfused (cuBLASLt + one kernel per operation) and coda (GEMM-epilogue
-// programs; an architecture whose coda mode is not built yet is skipped, coda_supports):
+// programs):
 //  * a tiny GPT-2 and a tiny Llama (GQA, untied head): loss, last-position logits and every gradient
 //    tensor of one forward_backward, and gradient accumulation over a second micro-batch;
 //  * 50 AdamW steps on fixed random batches: the loss curves of both backends.
@@ -117,12 +117,10 @@ class GpuModel : public ::testing::TestWithParam<std::tuple<coda::Arch, std::str
  protected:
   coda::Arch arch() const { return std::get<0>(GetParam()); }
   const std::string& mode() const { return std::get<1>(GetParam()); }
-  bool built() const { return mode() != "coda" || coda::coda_supports(arch()); }
 };
 
 TEST_P(GpuModel, LossLogitsAndEveryGradient) {
   SKIP_WITHOUT_GPU();
-  if (!built()) GTEST_SKIP() << "the coda mode of " << coda::arch_name(arch()) << " is not built yet";
   const coda::ModelConfig c = tiny_model(arch());
   const coda::ParamLayout layout = coda::make_param_layout(c);
   const StepComparison r = compare_one_step(c, mode());
@@ -159,7 +157,6 @@ TEST_P(GpuModel, LossLogitsAndEveryGradient) {
 // amplified that to 0.06 (GPT-2) and 0.27 (Llama) by step 50 while the first steps agreed to 1e-3.)
 TEST_P(GpuModel, FiftyStepsTrackTheCpuLossCurve) {
   SKIP_WITHOUT_GPU();
-  if (!built()) GTEST_SKIP() << "the coda mode of " << coda::arch_name(arch()) << " is not built yet";
   const coda::ModelConfig c = tiny_model(arch());
   const coda::ParamLayout layout = coda::make_param_layout(c);
   const int B = 4, T = 64, steps = 50, batches = 4;
