@@ -41,6 +41,21 @@ prog::NormPartials CodaBackend::norm_partials(const NormStatsBuffers& stats) con
   return p;
 }
 
+fused::DlogitsArgs CodaBackend::dlogits_args(int N, float dloss, float* dot_z) const {
+  fused::DlogitsArgs args;
+  args.dlogits = acts_.logits;
+  args.logits = acts_.logits;
+  args.lse = acts_.logits_lse;
+  args.targets = acts_.targets;
+  args.dloss = dloss;
+  args.N = N;
+  args.vocab = config_.vocab_size;
+  args.Vp = config_.padded_vocab();
+  args.stats = norm_partials(normf_stats_);
+  args.dot_z = dot_z;
+  return args;
+}
+
 CodaBackend::NormStatsBuffers& CodaBackend::next_norm_stats(int layer) {
   return layer + 1 < config_.n_layer ? norm1_stats_[layer + 1] : normf_stats_;
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cuda_backend.hpp"
+#include "kernels/coda/fused.cuh"
 #include "kernels/coda/norm_stats.cuh"
 #include "kernels/epilogue/epilogue.cuh"
 #include "kernels/gemm/gemm.cuh"
@@ -44,6 +45,9 @@ class CodaBackend : public CudaBackend {
   void loss_forward(int B, int T) override;       // losses and lse from the head epilogue's partials
 
   prog::NormPartials norm_partials(const NormStatsBuffers& stats) const;
+  // The dlogits pass over the logits in place, with the final norm's statistics and <dz, z> into dot_z:
+  // what both architectures pass (LayerNorm adds its vectors, dots and column partials).
+  fused::DlogitsArgs dlogits_args(int N, float dloss, float* dot_z) const;
   // The statistics a layer's residual epilogues write: norm2 of the same layer, or norm1 of the next one
   // (or the final norm after the last layer).
   NormStatsBuffers& next_norm_stats(int layer);

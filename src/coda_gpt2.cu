@@ -209,17 +209,7 @@ void CodaGpt2Backend::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scal
 
 void CodaGpt2Backend::head_backward(int B, int T, float dloss) {
   const int N = B * T, C = config_.d_model, V = config_.padded_vocab();
-  fused::DlogitsArgs args;
-  args.dlogits = acts_.logits;
-  args.logits = acts_.logits;
-  args.lse = acts_.logits_lse;
-  args.targets = acts_.targets;
-  args.dloss = dloss;
-  args.N = N;
-  args.vocab = config_.vocab_size;
-  args.Vp = V;
-  args.stats = norm_partials(normf_stats_);
-  args.dot_z = dot_z_;
+  fused::DlogitsArgs args = dlogits_args(N, dloss, dot_z_);
   args.c = head_vectors_.c;
   args.b_prime = head_vectors_.b_prime;
   args.dot_c = dot_c_;

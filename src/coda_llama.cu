@@ -130,18 +130,7 @@ void CodaLlamaBackend::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int 
 
 void CodaLlamaBackend::head_backward(int B, int T, float dloss) {
   const int N = B * T, C = config_.d_model, Vp = config_.padded_vocab();
-  fused::DlogitsArgs args;
-  args.dlogits = acts_.logits;
-  args.logits = acts_.logits;
-  args.lse = acts_.logits_lse;
-  args.targets = acts_.targets;
-  args.dloss = dloss;
-  args.N = N;
-  args.vocab = config_.vocab_size;
-  args.Vp = Vp;
-  args.stats = norm_partials(normf_stats_);
-  args.dot_z = dot_z_;
-  fused::dlogits(args, stream_);
+  fused::dlogits(dlogits_args(N, dloss, dot_z_), stream_);
   norm_backward_dgrad(acts_.logits, layout_.head_weight(), N, Vp, normf_stats_, 1, acts_.output, layout_.normf_w,
                       false);
   gemm_wgrad(grad(layout_.head_weight()), acts_.logits, acts_.normf, Vp, C, N, true, stream_);

@@ -30,41 +30,17 @@ namespace {
 
 namespace fused = coda::fused;
 using coda::test::DeviceBuffer;
+using coda::test::DeviceCopy;
+using coda::test::OutputBuffer;
+using coda::test::random_ids;
+using coda::test::random_values;
+using coda::test::round_bf16;
 using coda::test::rel_error;
 using fused::bf16;
 
 constexpr double kBf16Tol = 1e-2;
 constexpr double kFp32Tol = 1e-4;
 constexpr double kExactTol = 1e-6;
-
-float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
-
-// n values mean + scale * N(0, 1), rounded to bf16 (exact in both bf16 and fp32 buffers).
-std::vector<float> random_values(size_t n, coda::Rng& rng, float scale = 1.0f, float mean = 0.0f) {
-  std::vector<float> v = coda::test::random_bf16_values(n, scale, rng);
-  for (auto& x : v) x = round_bf16(x + mean);
-  return v;
-}
-
-std::vector<int32_t> random_ids(size_t n, int below, coda::Rng& rng) {
-  std::vector<int32_t> ids(n);
-  for (auto& id : ids) id = static_cast<int32_t>(rng.below(below));
-  return ids;
-}
-
-template <typename T>
-class DeviceCopy : public DeviceBuffer<T> {
- public:
-  explicit DeviceCopy(const std::vector<T>& host) : DeviceBuffer<T>(host.size()) {
-    CUDA_CHECK(cudaMemcpy(this->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-};
-
-template <typename T>
-class Output : public DeviceBuffer<T> {
- public:
-  explicit Output(size_t n) : DeviceBuffer<T>(n) { this->poison(); }
-};
 
 // ---- embedding_forward ---------------------------------------------------------------------------------
 
@@ -95,8 +71,8 @@ void check_embedding(int B, int T, int C, bool positions) {
 
   DeviceBuffer<bf16> d_wte(wte), d_wpe(wpe), d_gamma(gamma);
   DeviceCopy<int32_t> d_tokens(tokens);
-  Output<bf16> d_h(h.size()), d_O(h.size());
-  Output<float> d_sum(N), d_sumsq(N);
+  OutputBuffer<bf16> d_h(h.size()), d_O(h.size());
+  OutputBuffer<float> d_sum(N), d_sumsq(N);
   fused::embedding_forward(d_h.get(), d_O.get(), d_sum.get(), d_sumsq.get(), d_tokens.get(), d_wte.get(),
                            positions ? d_wpe.get() : nullptr, d_gamma.get(), B, T, C, 0);
   EXPECT_LT(rel_error(d_h.download(), h), kExactTol);
@@ -145,7 +121,7 @@ TEST(GpuFused, LossFromPartials) {
   for (int n = 0; n < N; ++n) lse[n] = losses[n] + target_logit[n];
 
   DeviceBuffer<float> d_partials(partials), d_target_logit(target_logit);
-  Output<float> d_losses(N), d_lse(N);
+  OutputBuffer<float> d_losses(N), d_lse(N);
   fused::loss_from_partials(d_losses.get(), d_lse.get(),
                             reinterpret_cast<const coda::epi::LogSumExp::Out*>(d_partials.get()), count,
                             d_target_logit.get(), N, 0);
@@ -219,8 +195,8 @@ void check_dlogits(int N, int vocab, int Vp, bool layer_norm) {
   DeviceBuffer<bf16> d_logits(logits);
   DeviceCopy<int32_t> d_targets(targets);
   DeviceBuffer<float> d_lse(lse), d_c(c), d_b_prime(b_prime), d_sum(norm.sum), d_sumsq(norm.sumsq);
-  Output<bf16> d_out(NV);
-  Output<float> d_dot_z(N), d_dot_c(N), d_dot_b(N), d_col_a(col_a.size()), d_col_b(col_b.size());
+  OutputBuffer<bf16> d_out(NV);
+  OutputBuffer<float> d_dot_z(N), d_dot_c(N), d_dot_b(N), d_col_a(col_a.size()), d_col_b(col_b.size());
   fused::DlogitsArgs args;
   args.dlogits = layer_norm ? d_out.get() : d_logits.get();  // RMSNorm in place, LayerNorm out of place
   args.logits = d_logits.get();
@@ -298,7 +274,7 @@ void check_ln_weight_vectors(int rows, int d, bool with_bias) {
     c[n] = static_cast<float>(sc), b_prime[n] = static_cast<float>(sb);
   }
   DeviceBuffer<bf16> d_W(W), d_gamma(gamma), d_beta(beta), d_bias(bias);
-  Output<float> d_c(rows), d_b_prime(rows);
+  OutputBuffer<float> d_c(rows), d_b_prime(rows);
   fused::ln_weight_vectors(d_c.get(), d_b_prime.get(), d_W.get(), rows, d, d_gamma.get(), d_beta.get(),
                            with_bias ? d_bias.get() : nullptr, 0);
   EXPECT_LT(rel_error(d_c.download(), c), kFp32Tol);

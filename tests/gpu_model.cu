@@ -29,13 +29,8 @@
 
 namespace {
 
+using coda::test::random_ids;
 using coda::test::rel_error;
-
-std::vector<int32_t> random_ids(size_t n, int below, coda::Rng& rng) {
-  std::vector<int32_t> ids(n);
-  for (auto& id : ids) id = static_cast<int32_t>(rng.below(below));
-  return ids;
-}
 
 coda::ModelConfig tiny_model(coda::Arch arch) {
   coda::ModelConfig c;

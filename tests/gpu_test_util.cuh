@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "kernels/cuda_check.cuh"
@@ -69,6 +70,38 @@ class DeviceBuffer {
   T* ptr_ = nullptr;
   size_t n_ = 0;
 };
+
+// A device copy of host data of any trivially copyable type (token ids, decay flags, tables).
+template <typename T>
+class DeviceCopy : public DeviceBuffer<T> {
+ public:
+  explicit DeviceCopy(const std::vector<T>& host) : DeviceBuffer<T>(host.size()) {
+    CUDA_CHECK(cudaMemcpy(this->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+};
+
+// An output buffer, poisoned (NaN) before the kernel writes it.
+template <typename T>
+class OutputBuffer : public DeviceBuffer<T> {
+ public:
+  explicit OutputBuffer(size_t n) : DeviceBuffer<T>(n) { this->poison(); }
+};
+
+inline float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// n values mean + scale * N(0, 1), rounded to bf16 (exact in both bf16 and fp32 buffers).
+inline std::vector<float> random_values(size_t n, Rng& rng, float scale = 1.0f, float mean = 0.0f) {
+  std::vector<float> v = random_bf16_values(n, scale, rng);
+  for (auto& x : v) x = round_bf16(x + mean);
+  return v;
+}
+
+// n ids uniform in [0, below).
+inline std::vector<int32_t> random_ids(size_t n, int below, Rng& rng) {
+  std::vector<int32_t> ids(n);
+  for (auto& id : ids) id = static_cast<int32_t>(rng.below(below));
+  return ids;
+}
 
 // ||gpu - ref|| / ||ref|| over columns [col0, col0 + ncols) of rows of `width` elements (all columns by
 // default). Where the reference is exactly zero, the RMS of gpu. NaN anywhere gives NaN.

@@ -25,42 +25,16 @@ namespace {
 
 namespace uf = coda::unfused;
 using coda::test::DeviceBuffer;
+using coda::test::DeviceCopy;
+using coda::test::OutputBuffer;
+using coda::test::random_ids;
+using coda::test::random_values;
+using coda::test::round_bf16;
 using coda::test::rel_error;
 using uf::bf16;
 
 constexpr double kBf16Tol = 1e-2;
 constexpr double kFp32Tol = 1e-4;
-
-float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
-
-// n values mean + scale * N(0, 1), rounded to bf16.
-std::vector<float> random_values(size_t n, coda::Rng& rng, float scale = 1.0f, float mean = 0.0f) {
-  std::vector<float> v = coda::test::random_bf16_values(n, scale, rng);
-  for (auto& x : v) x = round_bf16(x + mean);
-  return v;
-}
-
-std::vector<int32_t> random_ids(size_t n, int below, coda::Rng& rng) {
-  std::vector<int32_t> ids(n);
-  for (auto& id : ids) id = static_cast<int32_t>(rng.below(below));
-  return ids;
-}
-
-// A device copy of host data of any trivially copyable type (token ids, decay flags, the RoPE table).
-template <typename T>
-class DeviceCopy : public DeviceBuffer<T> {
- public:
-  explicit DeviceCopy(const std::vector<T>& host) : DeviceBuffer<T>(host.size()) {
-    CUDA_CHECK(cudaMemcpy(this->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-};
-
-// An output buffer, poisoned (NaN) before the kernel writes it.
-template <typename T>
-class Output : public DeviceBuffer<T> {
- public:
-  explicit Output(size_t n) : DeviceBuffer<T>(n) { this->poison(); }
-};
 
 struct ColumnSums {
   explicit ColumnSums(int max_cols)
@@ -93,7 +67,7 @@ TEST(GpuUnfused, EmbeddingForwardBackward) {
     DeviceCopy<int32_t> d_tokens(tokens);
     DeviceBuffer<bf16> d_wte(wte), d_wpe(wpe), d_dx(dx);
     DeviceBuffer<float> d_dwte(dwte0), d_dwpe(dwpe0);
-    Output<bf16> d_x(dx.size());
+    OutputBuffer<bf16> d_x(dx.size());
     uf::embedding_forward(d_x.get(), d_tokens.get(), d_wte.get(), positions ? d_wpe.get() : nullptr, B, T, C, 0);
     const uf::TokenBuckets buckets = uf::group_rows_by_token(tokens.data(), B * T, V);
     DeviceCopy<int32_t> d_buckets(buckets.packed);
@@ -109,7 +83,7 @@ TEST(GpuUnfused, NormsForwardBackward) {
   SKIP_WITHOUT_GPU();
   coda::Rng rng(2);
   ColumnSums column_sums(2048);
-  Output<float> partials(uf::norm_backward_partials_floats(2048));
+  OutputBuffer<float> partials(uf::norm_backward_partials_floats(2048));
   for (bool layernorm : {true, false})
     for (int C : {64, 768, 2048}) {
       SCOPED_TRACE(std::string(layernorm ? "layernorm" : "rmsnorm") + " C=" + std::to_string(C));
@@ -132,8 +106,8 @@ TEST(GpuUnfused, NormsForwardBackward) {
       DeviceBuffer<bf16> d_x(x), d_w(w), d_b(b), d_dy(dy);
       DeviceBuffer<bf16> d_dx(dx0);
       DeviceBuffer<float> d_dw(dw0), d_db(db0);
-      Output<bf16> d_y(x.size());
-      Output<float> d_mean(N), d_rstd(N);
+      OutputBuffer<bf16> d_y(x.size());
+      OutputBuffer<float> d_mean(N), d_rstd(N);
       if (layernorm)
         uf::layernorm_forward(d_y.get(), d_mean.get(), d_rstd.get(), d_x.get(), d_w.get(), d_b.get(), N, C, eps, 0);
       else
@@ -204,7 +178,7 @@ TEST(GpuUnfused, ResidualGeluSwiglu) {
   const size_t n = static_cast<size_t>(N) * F;
   const auto a = random_values(n, rng, 2.0f), b = random_values(n, rng), dy = random_values(n, rng);
   DeviceBuffer<bf16> d_a(a), d_b(b), d_dy(dy);
-  Output<bf16> d_out(n), d_out2(2 * n);
+  OutputBuffer<bf16> d_out(n), d_out2(2 * n);
 
   std::vector<float> ref(n);
   for (size_t i = 0; i < n; ++i) ref[i] = a[i] + b[i];
@@ -272,7 +246,7 @@ TEST(GpuUnfused, CrossEntropy) {
     coda::ref::crossentropy_backward(dlogits_ref.data(), logits.data(), targets.data(), dloss, N, V, Vp);
     DeviceBuffer<bf16> d_logits(logits);
     DeviceCopy<int32_t> d_targets(targets);
-    Output<float> d_losses(N), d_lse(N);
+    OutputBuffer<float> d_losses(N), d_lse(N);
     uf::crossentropy_forward(d_losses.get(), d_lse.get(), d_logits.get(), d_targets.get(), N, V, Vp, 0);
     EXPECT_LT(rel_error(d_losses.download(), losses_ref), kFp32Tol);
     uf::crossentropy_backward(d_logits.get(), d_logits.get(), d_lse.get(), d_targets.get(), dloss, N, V, Vp, 0);
@@ -306,7 +280,7 @@ TEST(GpuUnfused, AdamWAndGradNorm) {
   }
   DeviceBuffer<float> d_p(p0), d_m(m0), d_v(v0), d_g(g);
   DeviceCopy<uint8_t> d_decay(decay);
-  Output<bf16> d_p16(n);
+  OutputBuffer<bf16> d_p16(n);
   uf::adamw(d_p.get(), d_p16.get(), d_m.get(), d_v.get(), d_g.get(), d_decay.get(), n, step, 0);
   // Compare the update p - p0 (the parameters themselves hide errors of the small step).
   const auto p_gpu = d_p.download();
@@ -318,8 +292,8 @@ TEST(GpuUnfused, AdamWAndGradNorm) {
   EXPECT_LT(rel_error(d_p16.download(), p_ref), kBf16Tol);
 
   // Sum of squares, twice (the ticket must be reset by the first launch).
-  Output<float> partials(uf::grad_sumsq_partials_floats()), result(1);
-  Output<unsigned int> ticket(1);
+  OutputBuffer<float> partials(uf::grad_sumsq_partials_floats()), result(1);
+  OutputBuffer<unsigned int> ticket(1);
   CUDA_CHECK(cudaMemset(ticket.get(), 0, sizeof(unsigned int)));
   double sumsq = 0.0;
   for (float x : g) sumsq += static_cast<double>(x) * x;
@@ -344,8 +318,8 @@ TEST(GpuUnfused, CublasLtLayouts) {
 
   coda::CublasLt cublas;
   DeviceBuffer<bf16> d_x(x), d_w(w), d_dy(dy);
-  Output<bf16> d_y(y_ref.size()), d_dx(x.size());
-  Output<float> d_y32(y_ref.size()), d_dx32(x.size());
+  OutputBuffer<bf16> d_y(y_ref.size()), d_dx(x.size());
+  OutputBuffer<float> d_y32(y_ref.size()), d_dx32(x.size());
   DeviceBuffer<float> d_dw(dw0);
   cublas.gemm(d_y.get(), d_x.get(), coda::Op::N, d_w.get(), coda::Op::T, N, OC, IC, false, 0);
   cublas.gemm(d_y32.get(), d_x.get(), coda::Op::N, d_w.get(), coda::Op::T, N, OC, IC, false, 0);
