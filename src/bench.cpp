@@ -6,25 +6,69 @@
 // MFU = flops_per_token * tokens/s / the device's peak (model.hpp counts the FLOPs). A backend that times
 // its phases on the device (Backend::last_phase_times) also gets the median forward, backward (summed
 // over the micro-batches) and optimizer times of the timed steps.
+//
+// Under a launcher (mpirun -np N) every rank runs the same loop on its own random tokens, with the
+// gradient average armed before the last micro-batch exactly as train() does, so the step time includes
+// the part of the communication that the backward does not hide; tokens/s counts the job, tokens/s per
+// GPU and MFU one GPU. Scaling = tokens/s per GPU at N ranks over the figure of a one-GPU run.
+// time_gradient_all_reduce gives the communication's whole cost for comparison: an all-reduce of the
+// gradient's size with nothing to overlap.
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
+#include "dist_plan.hpp"
+#include "distributed.hpp"
+#include "kernels/cuda_check.cuh"
+#include "model.hpp"
 #include "rng.hpp"
 #include "train.hpp"
 
 namespace coda {
 
-std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup) {
+namespace {
+
+double median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + static_cast<long>(values.size() / 2), values.end());
+  return values[values.size() / 2];
+}
+
+double device_memory_in_use_gib() {
+  size_t free = 0, total = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return static_cast<double>(total - free) / (1024.0 * 1024.0 * 1024.0);
+}
+
+}  // namespace
+
+double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats) {
+  float* gradient = nullptr;
+  CUDA_CHECK(cudaMalloc(&gradient, count * sizeof(float)));
+  CUDA_CHECK(cudaMemset(gradient, 0, count * sizeof(float)));
+  std::vector<double> ms;
+  for (int i = 0; i < repeats + 1; ++i) {  // the first one sets NCCL's buffers up: not timed
+    const auto start = std::chrono::steady_clock::now();
+    comm.all_reduce(gradient, count, ReduceOp::Average);
+    comm.synchronize();
+    if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  CUDA_CHECK(cudaFree(gradient));
+  return median(ms);
+}
+
+std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm) {
   if (steps < 1) throw std::invalid_argument("steps must be >= 1");
   if (warmup < 0) throw std::invalid_argument("warmup must be >= 0");
   config.validate();
   const ModelConfig& model = config.model;
   const int B = config.batch_size, T = config.seq_len, A = config.grad_accum;
+  const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
+  if (config.zero1 && comm == nullptr) throw std::invalid_argument("bench: zero1 = true needs a communicator");
+  const BatchPlan plan = plan_batch(world_size, B, T, A);
   const ParamLayout layout = make_param_layout(model);
   std::vector<float> params(layout.total);
   init_params(model, layout, config.seed, params.data());
-  Rng rng(config.seed);
+  Rng rng(config.seed + static_cast<uint64_t>(rank));
   std::vector<int32_t> tokens(static_cast<size_t>(A) * B * T), targets(tokens.size());
   for (auto& token : tokens) token = static_cast<int32_t>(rng.below(model.vocab_size));
   for (auto& token : targets) token = static_cast<int32_t>(rng.below(model.vocab_size));
@@ -44,7 +88,8 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup) {
     RunConfig run = config;
     run.device = device;
     run.kernels = kernels;
-    std::unique_ptr<Backend> backend = make_backend(run);
+    require_data_parallel_device(run, world_size);
+    std::unique_ptr<Backend> backend = make_backend(run, run.zero1 ? comm : nullptr);
     backend->load_params(params.data());
     std::vector<double> ms, forward_ms, backward_ms, optimizer_ms;
     for (int step = 0; step < warmup + steps; ++step) {
@@ -53,6 +98,7 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup) {
       PhaseTimes phases;
       for (int micro = 0; micro < A; ++micro) {
         const size_t at = static_cast<size_t>(micro) * B * T;
+        if (comm != nullptr && micro == A - 1) backend->average_grads_in_next_backward(*comm);
         backend->forward_backward(tokens.data() + at, targets.data() + at, B, T, 1.0f / static_cast<float>(A));
         const PhaseTimes micro_phases = backend->last_phase_times();
         phases.forward_ms += micro_phases.forward_ms;
@@ -69,20 +115,21 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup) {
         optimizer_ms.push_back(backend->last_phase_times().optimizer_ms);
       }
     }
-    const auto median = [](std::vector<double>& values) {
-      std::nth_element(values.begin(), values.begin() + static_cast<long>(values.size() / 2), values.end());
-      return values[values.size() / 2];
-    };
     BenchResult result;
     result.backend = backend->name();
     result.steps = steps;
+    result.world_size = world_size;
     result.median_ms = median(ms);
     result.forward_ms = median(forward_ms);
     result.backward_ms = median(backward_ms);
     result.optimizer_ms = median(optimizer_ms);
-    result.tokens_per_s = static_cast<double>(A) * B * T / (result.median_ms / 1000.0);
     const double peak = peak_flops(result.backend);
-    result.mfu = peak > 0.0 ? flops_per_token(model, T) * result.tokens_per_s / peak : 0.0;
+    const JobThroughput throughput =
+        job_throughput(plan, result.median_ms / 1000.0, flops_per_token(model, T), peak > 0.0 ? peak : 1.0);
+    result.tokens_per_s = throughput.tokens_per_second;
+    result.tokens_per_s_per_gpu = throughput.tokens_per_second_per_gpu;
+    result.mfu = peak > 0.0 ? throughput.mfu : 0.0;
+    if (device == "cuda") result.memory_gib = device_memory_in_use_gib();
     results.push_back(result);
   }
   return results;

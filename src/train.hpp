@@ -80,13 +80,22 @@ std::vector<int32_t> sample(const SampleOptions& options, std::FILE* out);
 struct BenchResult {
   std::string backend;
   int steps = 0;
+  int world_size = 1;         // ranks that ran the steps together (data parallelism)
   double median_ms = 0.0;     // one optimizer step (grad_accum micro-batches, clipping, AdamW)
-  double tokens_per_s = 0.0;
-  double mfu = 0.0;           // 0 when the device's peak is unknown
+  double tokens_per_s = 0.0;  // whole job
+  double tokens_per_s_per_gpu = 0.0;
+  double mfu = 0.0;           // per GPU; 0 when the device's peak is unknown
   // Median device time per phase of one optimizer step (Backend::last_phase_times; zeros for the CPU).
   double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
+  double memory_gib = 0.0;    // device memory in use on rank 0 after the steps (0 for the CPU)
 };
-// Times `steps` training steps after `warmup` untimed ones on random tokens, for every available backend.
-std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup);
+// Times `steps` training steps after `warmup` untimed ones on random tokens, for every available backend
+// (the --kernels one only when config.kernels is not auto). With comm (a launcher started several ranks,
+// or zero1) every rank runs the same steps on its own tokens and the gradients are averaged over the
+// ranks as in train(); config.zero1 shards the optimizer state over comm.
+std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm = nullptr);
+// Median wall time of an all-reduce of `count` fp32 values over comm, alone (nothing to overlap with):
+// the cost the backward hides when it reduces a gradient of that size bucket by bucket.
+double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats);
 
 }  // namespace coda

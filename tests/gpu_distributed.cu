@@ -355,6 +355,33 @@ size_t count_mismatches(const std::vector<float>& got, const std::vector<float>&
 // the all-gathered bf16 copy, which must give the very loss of a replicated backend loaded with the
 // gathered master weights. Three steps of two micro-batches, the second one reducing; the update is
 // scaled by 0.5 / norm so the composed norm drives it.
+// coda bench under a launcher: every rank runs the timed steps with the gradient average armed (plain and
+// ZeRO-1); the job's tokens/s is world_size times one GPU's.
+TEST(Communicator, BenchRunsOnEveryRank) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  Communicator comm(context());
+  spdlog::set_level(spdlog::level::warn);
+  RunConfig config;
+  config.model = zero1_model(Arch::GPT2, 64, 2, 128, 1000);
+  config.batch_size = 2;
+  config.seq_len = 64;
+  config.grad_accum = 2;
+  config.device = "cuda";
+  config.kernels = "coda";
+  for (bool zero1 : {false, true}) {
+    SCOPED_TRACE(zero1 ? "zero1" : "plain");
+    config.zero1 = zero1;
+    const std::vector<BenchResult> results = bench(config, 2, 1, &comm);
+    ASSERT_EQ(results.size(), 1u);
+    const BenchResult& r = results.front();
+    EXPECT_EQ(r.world_size, comm.world_size());
+    EXPECT_NEAR(r.tokens_per_s * r.median_ms / 1000.0, 2.0 * 2 * 64 * comm.world_size(), 1e-6 * r.tokens_per_s);
+    EXPECT_NEAR(r.tokens_per_s, r.tokens_per_s_per_gpu * comm.world_size(), 1e-9 * r.tokens_per_s);
+    EXPECT_GT(r.memory_gib, 0.0);
+  }
+  EXPECT_GT(time_gradient_all_reduce(comm, size_t{1} << 20, 2), 0.0);
+}
+
 TEST(Zero1, OptimizerStepMatchesReference) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   Communicator comm(context());

@@ -280,6 +280,10 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
   for (const auto& r : results) {
     EXPECT_GT(r.median_ms, 0.0);
     EXPECT_NEAR(r.tokens_per_s * r.median_ms / 1000.0, 2.0 * 8 * 16, 1e-6 * r.tokens_per_s);
+    EXPECT_EQ(r.world_size, 1);
+    EXPECT_DOUBLE_EQ(r.tokens_per_s_per_gpu, r.tokens_per_s);
   }
   EXPECT_FALSE(fs::exists(c.out)) << "bench writes no run directory";
+  c.zero1 = true;
+  EXPECT_THROW(coda::bench(c, 1, 0), std::invalid_argument) << "ZeRO-1 without a communicator";
 }
