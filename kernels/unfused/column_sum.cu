@@ -1,9 +1,8 @@
-// Column sums out[j] += sum_n x[n, j]: bias gradients (db = column sums of dY) and the finishing step of
-// every per-block partial (norm dgamma / dbeta).
+// Column sums out[j] += sum_n x[n, j] of a bf16 matrix: the bias gradients (db = column sums of dY).
 //
-// The grid is (column tiles of 256, row slabs, matrices). In a block, lane l of each of the 8 warps owns 8
-// adjacent columns (one 16-byte load per row) and the warps take interleaved rows of the slab, 16 bf16
-// rows (8 fp32 rows) in flight at a time, all their loads issued before any is added (past the slab's end a
+// The grid is (column tiles of 256, row slabs). In a block, lane l of each of the 8 warps owns 8
+// adjacent columns (one 16-byte load per row) and the warps take interleaved rows of the slab, 16
+// rows in flight at a time, all their loads issued before any is added (past the slab's end a
 // lane reloads its last row and drops it, so no branch splits the loads); the warps' sums meet in shared
 // memory and the slab's partial row goes to the workspace. Then each block takes an integer ticket for its
 // column tile; the block that draws the last ticket sums the slabs' partials in slab order and adds them
@@ -14,7 +13,6 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "kernels/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
@@ -27,46 +25,16 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kTileCols = 256;  // 32 lanes x 8 columns
 constexpr int kMaxSlabs = 128;
-constexpr int kMaxMatrices = 2;
+constexpr int kRowsInFlight = 16;  // per warp (16 bytes per lane each)
 constexpr int kSlabsInFlight = 8;  // per warp, when the last block sums the partials
 
-// Rows in flight per warp: 16 of bf16 (16 bytes per lane each) or 8 of fp32 (32 bytes per lane each).
-template <typename T>
-constexpr int kRowsInFlight = std::is_same_v<T, bf16> ? 16 : 8;
-
-
-// A lane's 8 values of one row, kept as loaded until they are added, so that many rows can be in flight.
-template <typename T>
-struct Packet;
-template <>
-struct Packet<bf16> {
-  uint4 raw;
-  __device__ __forceinline__ void load(const bf16* p) { raw = load_packet(p); }
-  __device__ __forceinline__ void add_to(float (&acc)[8]) const {
-    float v[8];
-    unpack_bf16x8(v, raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] += v[i];
-  }
-};
-template <>
-struct Packet<float> {
+// A lane's 8 partial sums of one slab (two 16-byte loads), kept as loaded until they are added.
+struct PartialPacket {
   float4 a, b;
-  __device__ __forceinline__ void load(const float* p) {
-    a = reinterpret_cast<const float4*>(p)[0];
-    b = reinterpret_cast<const float4*>(p)[1];
-  }
   __device__ __forceinline__ void add_to(float (&acc)[8]) const {
     acc[0] += a.x, acc[1] += a.y, acc[2] += a.z, acc[3] += a.w, acc[4] += b.x, acc[5] += b.y, acc[6] += b.z,
         acc[7] += b.w;
   }
-};
-
-// The matrices of one launch (blockIdx.z picks one).
-template <typename T>
-struct Matrices {
-  float* out[kMaxMatrices];
-  const T* x[kMaxMatrices];
 };
 
 // Each thread t of the block returns the sum over warps of column t of the per-warp values.
@@ -80,17 +48,12 @@ __device__ __forceinline__ float sum_over_warps(float (&red)[kWarps][kTileCols],
   return sum;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(Matrices<T> matrices, int rows, int cols, int ld,
+__global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(float* out, const bf16* x, int rows, int cols, int ld,
                                                                  int rows_per_slab, float* partials,
                                                                  unsigned int* tickets) {
   __shared__ __align__(16) float red[kWarps][kTileCols];
   __shared__ bool last_block;
-  const int tile = blockIdx.x, slab = blockIdx.y, slabs = gridDim.y, matrix = blockIdx.z;
-  const T* x = matrix == 0 ? matrices.x[0] : matrices.x[1];  // no dynamic index into the parameter
-  float* out = matrix == 0 ? matrices.out[0] : matrices.out[1];
-  partials += static_cast<size_t>(matrix) * slabs * cols;
-  tickets += static_cast<size_t>(matrix) * gridDim.x;
+  const int tile = blockIdx.x, slab = blockIdx.y, slabs = gridDim.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int col = tile * kTileCols + lane * 8;  // this lane's first column
   const bool active = col < cols;
@@ -98,15 +61,20 @@ __global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(Matrices<T> mat
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (active)
-    for (int row = slab * rows_per_slab + warp; row < row_end; row += kRowsInFlight<T> * kWarps) {
+    for (int row = slab * rows_per_slab + warp; row < row_end; row += kRowsInFlight * kWarps) {
       // Past the slab's end a lane reloads its last row (a cache hit) and drops it: no branch between the loads.
-      Packet<T> v[kRowsInFlight<T>];
+      uint4 v[kRowsInFlight];
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight<T>; ++u)
-        v[u].load(x + static_cast<size_t>(min(row + u * kWarps, row_end - 1)) * ld + col);
+      for (int u = 0; u < kRowsInFlight; ++u)
+        v[u] = load_packet(x + static_cast<size_t>(min(row + u * kWarps, row_end - 1)) * ld + col);
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight<T>; ++u)
-        if (row + u * kWarps < row_end) v[u].add_to(acc);
+      for (int u = 0; u < kRowsInFlight; ++u)
+        if (row + u * kWarps < row_end) {
+          float f[8];
+          unpack_bf16x8(f, v[u]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] += f[i];
+        }
     }
   const int out_col = tile * kTileCols + threadIdx.x;  // the column this thread finishes
   const float slab_sum = sum_over_warps(red, acc);
@@ -126,7 +94,7 @@ __global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(Matrices<T> mat
   float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (active)
     for (int s = warp; s < slabs; s += kSlabsInFlight * kWarps) {
-      Packet<float> v[kSlabsInFlight];
+      PartialPacket v[kSlabsInFlight];
 #pragma unroll
       for (int u = 0; u < kSlabsInFlight; ++u) {
         const size_t slab_row = static_cast<size_t>(min(s + u * kWarps, slabs - 1));
@@ -143,9 +111,15 @@ __global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(Matrices<T> mat
   if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
-template <typename T>
-void launch_column_sum(const Matrices<T>& matrices, int count, int rows, int cols, int ld,
-                       const ColumnSumWorkspace& ws, cudaStream_t stream) {
+}  // namespace
+
+size_t column_sum_partials_floats(int max_cols) { return static_cast<size_t>(kMaxSlabs) * max_cols; }
+size_t column_sum_tickets(int max_cols) {
+  return static_cast<size_t>(std::max(2, (max_cols + kTileCols - 1) / kTileCols));
+}
+
+void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const ColumnSumWorkspace& ws,
+                cudaStream_t stream) {
   if (cols % 8 != 0 || ld % 8 != 0 || ld < cols || cols > ws.max_cols)
     throw std::invalid_argument("column_sum: cols (" + std::to_string(cols) + ") and ld (" + std::to_string(ld) +
                                 ") must be multiples of 8 with cols <= ld and cols <= the workspace's " +
@@ -153,36 +127,14 @@ void launch_column_sum(const Matrices<T>& matrices, int count, int rows, int col
   if (rows <= 0) return;
   const int tiles = (cols + kTileCols - 1) / kTileCols;
   int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_kernel<T>, kWarps * 32, 0));
-  const int target_slabs = std::max(1, std::max(1, per_sm) * sm_count() / (count * tiles));
-  const int slabs_wanted = std::max(1, std::min({target_slabs, rows / (kRowsInFlight<T> * kWarps), kMaxSlabs}));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_kernel, kWarps * 32, 0));
+  const int target_slabs = std::max(1, std::max(1, per_sm) * sm_count() / tiles);
+  const int slabs_wanted = std::max(1, std::min({target_slabs, rows / (kRowsInFlight * kWarps), kMaxSlabs}));
   const int rows_per_slab = (rows + slabs_wanted - 1) / slabs_wanted;
   const int slabs = (rows + rows_per_slab - 1) / rows_per_slab;
-  column_sum_kernel<T><<<dim3(tiles, slabs, count), kWarps * 32, 0, stream>>>(matrices, rows, cols, ld, rows_per_slab,
-                                                                             ws.partials, ws.tickets);
+  column_sum_kernel<<<dim3(tiles, slabs), kWarps * 32, 0, stream>>>(out, x, rows, cols, ld, rows_per_slab, ws.partials,
+                                                                    ws.tickets);
   CUDA_CHECK_LAUNCH();
-}
-
-}  // namespace
-
-size_t column_sum_partials_floats(int max_cols) { return static_cast<size_t>(kMaxMatrices) * kMaxSlabs * max_cols; }
-size_t column_sum_tickets(int max_cols) {
-  return static_cast<size_t>(kMaxMatrices) * ((max_cols + kTileCols - 1) / kTileCols);
-}
-
-void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const ColumnSumWorkspace& ws,
-                cudaStream_t stream) {
-  launch_column_sum(Matrices<bf16>{{out, nullptr}, {x, nullptr}}, 1, rows, cols, ld, ws, stream);
-}
-
-void column_sum(float* out, const float* x, int rows, int cols, int ld, const ColumnSumWorkspace& ws,
-                cudaStream_t stream) {
-  launch_column_sum(Matrices<float>{{out, nullptr}, {x, nullptr}}, 1, rows, cols, ld, ws, stream);
-}
-
-void column_sum2(float* out0, const float* x0, float* out1, const float* x1, int rows, int cols, int ld,
-                 const ColumnSumWorkspace& ws, cudaStream_t stream) {
-  launch_column_sum(Matrices<float>{{out0, out1}, {x0, x1}}, 2, rows, cols, ld, ws, stream);
 }
 
 }  // namespace coda::unfused

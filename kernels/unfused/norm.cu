@@ -11,20 +11,29 @@
 //   dx = r (g - mean(g) - xhat mean(g xhat))      (RMSNorm: no mean(g) term)
 //   dw = sum over rows of dy xhat,  db = sum over rows of dy.
 // dx is added to the residual gradient in the same pass (read dx, add, write), the accumulation a
-// framework does in a separate add. Here a row is spread over a row group of C/8 threads (rounded up to
-// whole warps), one 16-byte packet of dy, x and the residual gradient per thread, so a thread's state is
-// small: it prefetches its packets of the next row while the current row's two sums meet in shared
-// memory, and it accumulates dw/db for its own 8 columns in registers. A block holds several row groups
-// and walks rows with a persistent stride; at the end it writes one partial row of dw (and db), and one
-// column_sum launch finishes them over the blocks in a fixed order (deterministic). The grid fills the
-// device once, so the partials are about a hundred rows (well under 1% of the bytes of the main pass).
-// Measured against the warp-per-row backward with every row's loads issued up front: 69.7 -> 72% (GPT-2)
-// and 70.1 -> 77% (Llama) of 4.2 TB/s; shared-memory (cp.async) row pipelines were slower than both.
+// framework does in a separate add. A row is spread over a row group of C/8 threads (rounded up to whole
+// warps), one 16-byte packet per thread; a block holds several row groups (at most 512 threads) and walks
+// rows with a persistent stride. The rows do not travel through registers: each group has a ring of
+// kBackwardStages row slots in shared memory (dy, x and the residual gradient of one row each), filled by
+// 1-D bulk copies (cp.async.bulk, the copy engine) that complete on one mbarrier per slot. Thread 0 of
+// the group refills a slot with the row kBackwardStages rows ahead as soon as the group's own barrier
+// (a named barrier, not __syncthreads, so the groups of a block never wait for each other) shows that
+// every thread has read it. So the bytes in flight no longer cost registers: about 14 KB per 768-wide
+// group, 36 KB per 2048-wide group, while each thread holds only its dw/db columns and one row's packets.
+// At the end each block writes one partial row of dw (and db); the last blocks to take a ticket (an
+// integer counter) wait until every block has one, then each sums slices of 32 partial columns over the
+// blocks in block order: deterministic, and no second launch.
+// Measured (bench_unfused_kernels, b2b, % of 4.2 TB/s): the register-prefetching version 72% (GPT-2) /
+// 77% (Llama) -> ring 84.7% / 88.6%; the in-kernel finish is worth 2.5-3 us against a column_sum launch;
+// 2, 3 or 4 slots are within 2%; fewer row groups per block are slower (GPT-2: 4 groups 82%, 2 groups 80%,
+// 1 group 70%). The same ring for the forward (a warp per row) was slower than its register prefetch
+// (GPT-2 77% vs 80%, Llama 78% vs 85%), so the forward keeps it.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/sm90/sm90.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -35,6 +44,8 @@ namespace {
 constexpr int kMaxBackwardBlocks = 1024;
 constexpr int kForwardWarps = 8;
 constexpr int kBackwardThreads = 512;  // at most, per block: as many row groups as fit
+constexpr int kMaxGroups = 8;         // row groups per block (each has a hardware barrier)
+constexpr int kBackwardStages = 3;    // row slots per group
 
 // A persistent grid (as many blocks as fit, no waves): each warp walks rows warp, warp + all warps, ...,
 // and requests the packets of its next row before it reduces the current one. Rows of 1025..2048 values
@@ -111,89 +122,127 @@ __global__ void __launch_bounds__(kForwardWarps * 32) norm_forward_kernel(bf16* 
   }
 }
 
-// One row's inputs for one thread of its row group: its packet of dy, x and the residual gradient, and
-// the row's statistics.
-struct RowPacket {
-  uint4 dy, x, dres;
-  float mu, r;
-};
+// 1-D bulk copy (the copy engine, no registers) of `bytes` from global to shared memory; its completion
+// counts as `bytes` transaction bytes on the mbarrier `bar`. Both addresses 16-byte aligned, bytes a
+// multiple of 16.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
 
 // Row group g of a block holds rows blockIdx.x * groups + g + k * (all groups), k = 0, 1, ...; thread t of
-// the group owns packet t (columns 8t .. 8t + 7). partials: [kStats][gridDim.x][C].
-template <bool kLayerNorm>
-__global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* dx, float* partials, const bf16* dy,
-                                                                         const bf16* x, const bf16* w,
+// the group owns packet t (columns 8t .. 8t + 7). Each group has a ring of kStages row slots in dynamic
+// shared memory ([kStages][dy, x, dres][C] bf16); thread 0 of the group refills a slot with the row kStages
+// rows ahead once the group's barrier shows that every thread has read it. partials: [kStats][gridDim.x][C];
+// counters: two unsigned ints, zero at entry and left zero. The grid never exceeds the blocks that fit at
+// once, so a finishing block that waits never keeps a block it waits for from starting.
+template <bool kLayerNorm, int kStages>
+__global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* dx, float* partials, float* dw_out,
+                                                                         float* db_out, unsigned int* counters,
+                                                                         const bf16* dy, const bf16* x, const bf16* w,
                                                                          const float* mean, const float* rstd, int N,
                                                                          int C, int group_threads, bool accumulate) {
   constexpr int kStats = kLayerNorm ? 2 : 1;
-  __shared__ float2 warp_sums[2][kBackwardThreads / 32];                     // by round parity
-  __shared__ __align__(16) float column_sums[kStats * kBackwardThreads * 8];  // [kStats][groups][C]
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ uint64_t full[kMaxGroups][kStages];
+  __shared__ float2 warp_sums[kStages][kBackwardThreads / 32];  // by slot: rewritten kStages rounds later
+  __shared__ unsigned int ticket;
   const int groups = blockDim.x / group_threads, group = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_group = group_threads / 32;
-  const int all_groups = gridDim.x * groups;
+  const int all_groups = gridDim.x * groups, first = blockIdx.x * groups + group;
   const bool active = t < C / 8;
   const float inv_c = 1.0f / C;
-  const auto load_row = [&](RowPacket& p, int row) {
-    if (row < N && active) {
-      const size_t offset = static_cast<size_t>(row) * C + 8 * t;
-      p.dy = load_packet(dy + offset);
-      p.x = load_packet(x + offset);
-      if (accumulate) p.dres = load_packet(dx + offset);
-      p.mu = kLayerNorm ? mean[row] : 0.0f;
-      p.r = rstd[row];
-    }
+  const uint32_t row_bytes = static_cast<uint32_t>(C) * sizeof(bf16);
+  bf16* ring = reinterpret_cast<bf16*>(smem) + static_cast<size_t>(group) * kStages * 3 * C;
+  if (t == 0)
+    for (int s = 0; s < kStages; ++s) sm90::mbar_init(&full[group][s], 1);
+  sm90::fence_barrier_init();
+  __syncthreads();
+  const auto issue = [&](int s, int row) {
+    const uint32_t bar = sm90::smem_u32(&full[group][s]);
+    const size_t offset = static_cast<size_t>(row) * C;
+    bf16* slot = ring + static_cast<size_t>(s) * 3 * C;
+    sm90::mbar_arrive_expect_tx(bar, (accumulate ? 3 : 2) * row_bytes);
+    bulk_load(sm90::smem_u32(slot), dy + offset, row_bytes, bar);
+    bulk_load(sm90::smem_u32(slot + C), x + offset, row_bytes, bar);
+    if (accumulate) bulk_load(sm90::smem_u32(slot + 2 * C), dx + offset, row_bytes, bar);
   };
+  // The statistics of the row in each slot, loaded when the slot is filled.
+  float mu[kStages], r[kStages];
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    const int row = first + s * all_groups;
+    if (row < N) {
+      if (t == 0) issue(s, row);
+      mu[s] = kLayerNorm ? mean[row] : 0.0f;
+      r[s] = rstd[row];
+    }
+  }
   uint4 w_raw = make_uint4(0u, 0u, 0u, 0u);
   if (active) w_raw = load_packet(w + 8 * t);
   float dw[8], db[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) dw[j] = db[j] = 0.0f;
-  RowPacket next;
-  load_row(next, blockIdx.x * groups + group);
-  // Every thread of the block takes the same number of rounds (a row past N is skipped, not left), since
-  // each round has a __syncthreads. The sums of round k go to buffer k % 2: it is rewritten two rounds
-  // later, after the barrier of round k + 1, by which time every thread has read it.
-  for (int base = blockIdx.x * groups, parity = 0; base < N; base += all_groups, parity ^= 1) {
-    const int row = base + group;
-    const bool valid = row < N && active;
-    const RowPacket cur = next;
-    load_row(next, row + all_groups);
-    // Calls f(j, dy_j, xhat_j, g_j) for this thread's 8 values of the row.
-    const auto for_each_value = [&](auto&& f) {
-      float dyv[8], xv[8], wv[8];
-      unpack_bf16x8(dyv, cur.dy);
-      unpack_bf16x8(xv, cur.x);
-      unpack_bf16x8(wv, w_raw);
+  for (int base = first, phase = 0; base < N; base += kStages * all_groups, phase ^= 1) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) f(j, dyv[j], (xv[j] - cur.mu) * cur.r, dyv[j] * wv[j]);
-    };
-    float sum_g = 0.0f, sum_gx = 0.0f;
-    if (valid)
-      for_each_value([&](int, float, float xhat, float g) {
-        sum_g += g;
-        sum_gx += g * xhat;
-      });
-    sum_g = warp_sum(sum_g);
-    sum_gx = warp_sum(sum_gx);
-    if (lane == 0) warp_sums[parity][warp] = make_float2(sum_g, sum_gx);
-    __syncthreads();
-    if (!valid) continue;
-    float total_g = 0.0f, total_gx = 0.0f;
-    for (int i = 0; i < warps_per_group; ++i) {
-      const float2 v = warp_sums[parity][group * warps_per_group + i];
-      total_g += v.x, total_gx += v.y;
+    for (int s = 0; s < kStages; ++s) {
+      const int row = base + s * all_groups;
+      if (row >= N) break;
+      sm90::mbar_wait(sm90::smem_u32(&full[group][s]), phase);
+      const bf16* slot = ring + static_cast<size_t>(s) * 3 * C;
+      uint4 dy_raw = make_uint4(0u, 0u, 0u, 0u), x_raw = dy_raw, dres_raw = dy_raw;
+      if (active) {
+        dy_raw = *reinterpret_cast<const uint4*>(slot + 8 * t);
+        x_raw = *reinterpret_cast<const uint4*>(slot + C + 8 * t);
+        if (accumulate) dres_raw = *reinterpret_cast<const uint4*>(slot + 2 * C + 8 * t);
+      }
+      const float mu_row = mu[s], r_row = r[s];
+      const int ahead = row + kStages * all_groups;
+      if (ahead < N) {
+        mu[s] = kLayerNorm ? mean[ahead] : 0.0f;
+        r[s] = rstd[ahead];
+      }
+      float dyv[8], xhat[8], g[8];
+      {
+        float xv[8], wv[8];
+        unpack_bf16x8(dyv, dy_raw);
+        unpack_bf16x8(xv, x_raw);
+        unpack_bf16x8(wv, w_raw);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xhat[j] = (xv[j] - mu_row) * r_row, g[j] = dyv[j] * wv[j];
+      }
+      float sum_g = 0.0f, sum_gx = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum_g += g[j], sum_gx += g[j] * xhat[j];
+      sum_g = warp_sum(sum_g);
+      sum_gx = warp_sum(sum_gx);
+      if (lane == 0) warp_sums[s][warp] = make_float2(sum_g, sum_gx);
+      // Every thread of the group has read the slot and written its warp's sums.
+      sm90::named_barrier(1 + group, group_threads);
+      if (t == 0 && ahead < N) issue(s, ahead);
+      float total_g = 0.0f, total_gx = 0.0f;
+      for (int i = 0; i < warps_per_group; ++i) {
+        const float2 v = warp_sums[s][group * warps_per_group + i];
+        total_g += v.x, total_gx += v.y;
+      }
+      if (!active) continue;
+      const float mean_g = kLayerNorm ? total_g * inv_c : 0.0f, mean_gx = total_gx * inv_c;
+      float out[8];
+      if (accumulate) unpack_bf16x8(out, dres_raw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float d = r_row * (g[j] - mean_g - xhat[j] * mean_gx);
+        out[j] = accumulate ? out[j] + d : d;
+        dw[j] += dyv[j] * xhat[j];
+        if (kLayerNorm) db[j] += dyv[j];
+      }
+      store_bf16x8(dx + static_cast<size_t>(row) * C + 8 * t, out);
     }
-    const float mean_g = kLayerNorm ? total_g * inv_c : 0.0f, mean_gx = total_gx * inv_c;
-    float out[8];
-    if (accumulate) unpack_bf16x8(out, cur.dres);
-    for_each_value([&](int j, float dyv, float xhat, float g) {
-      const float d = cur.r * (g - mean_g - xhat * mean_gx);
-      out[j] = accumulate ? out[j] + d : d;
-      dw[j] += dyv * xhat;
-      if (kLayerNorm) db[j] += dyv;
-    });
-    store_bf16x8(dx + static_cast<size_t>(row) * C + 8 * t, out);
   }
+  // Every issued copy has been waited for: the ring is free. [kStats][groups][C] fp32 sums over the groups.
+  float* column_sums = reinterpret_cast<float*>(smem);
+  __syncthreads();
   if (active) {
     store_f32x8(column_sums + static_cast<size_t>(group) * C + 8 * t, dw);
     if (kLayerNorm) store_f32x8(column_sums + static_cast<size_t>(groups + group) * C + 8 * t, db);
@@ -204,6 +253,48 @@ __global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* d
     float sum = 0.0f;
     for (int g = 0; g < groups; ++g) sum += column_sums[static_cast<size_t>(stat * groups + g) * C + col];
     partials[(static_cast<size_t>(stat) * gridDim.x + blockIdx.x) * C + col] = sum;
+  }
+  // The last `finishers` blocks to take a ticket each sum slices of 32 partial columns over all blocks,
+  // once every block has taken one. The summation order depends on the launch shape only.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicAdd(&counters[0], 1u);
+  __syncthreads();
+  const int slices = (kStats * C + 31) / 32, finishers = min(static_cast<int>(gridDim.x), slices);
+  const int finisher = static_cast<int>(ticket) - (static_cast<int>(gridDim.x) - finishers);
+  if (finisher < 0) return;
+  if (threadIdx.x == 0)
+    while (*reinterpret_cast<volatile unsigned int*>(&counters[0]) < gridDim.x) __nanosleep(64);
+  __syncthreads();
+  __threadfence();
+  float4* lane_sums = reinterpret_cast<float4*>(smem);  // [blockDim.x / 8][8]
+  const int q = threadIdx.x % 8, part = threadIdx.x / 8, parts = blockDim.x / 8;
+  for (int slice = finisher; slice < slices; slice += finishers) {
+    const int c = slice * 32 + 4 * q, stat = c / C, col = c % C;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (c < kStats * C)
+#pragma unroll 4
+      for (int b = part; b < static_cast<int>(gridDim.x); b += parts) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(
+            partials + (static_cast<size_t>(stat) * gridDim.x + b) * C + col));
+        acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+      }
+    lane_sums[part * 8 + q] = acc;
+    __syncthreads();
+    if (part == 0 && c < kStats * C) {
+      float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int p = 0; p < parts; ++p) {
+        const float4 v = lane_sums[p * 8 + q];
+        total.x += v.x, total.y += v.y, total.z += v.z, total.w += v.w;
+      }
+      float* out = (stat == 0 ? dw_out : db_out) + col;
+      out[0] += total.x, out[1] += total.y, out[2] += total.z, out[3] += total.w;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && atomicAdd(&counters[1], 1u) == static_cast<unsigned int>(finishers - 1)) {
+    counters[0] = 0u;
+    counters[1] = 0u;
   }
 }
 
@@ -222,7 +313,8 @@ void launch_forward(bf16* y, float* mean, float* rstd, const bf16* x, const bf16
   });
 }
 
-// As many blocks as fit on the device at once, each with as many row groups as fit in kBackwardThreads.
+// As many blocks as fit on the device at once (the in-kernel finish relies on it), each with as many row
+// groups as fit in kBackwardThreads (at most kMaxGroups).
 template <bool kLayerNorm>
 void launch_backward(bf16* dx, float* dw, float* db, const bf16* dy, const bf16* x, const bf16* w, const float* mean,
                      const float* rstd, int N, int C, bool accumulate, float* partials, const ColumnSumWorkspace& ws,
@@ -232,18 +324,20 @@ void launch_backward(bf16* dx, float* dw, float* db, const bf16* dy, const bf16*
                                 std::to_string(C) + " must be a multiple of 8 in [8, 4096]");
   if (N <= 0) return;
   const int group_threads = (C / 8 + 31) / 32 * 32;
-  const int groups = kBackwardThreads / group_threads, threads = groups * group_threads;
-  auto kernel = norm_backward_kernel<kLayerNorm>;
+  const int groups = std::min(kMaxGroups, kBackwardThreads / group_threads), threads = groups * group_threads;
+  // The rings; after the rows, the same memory holds the groups' dw/db columns and the finishing sums.
+  const size_t smem = std::max({static_cast<size_t>(groups) * kBackwardStages * 3 * C * sizeof(bf16),
+                                static_cast<size_t>(kLayerNorm ? 2 : 1) * groups * C * sizeof(float),
+                                static_cast<size_t>(threads) * sizeof(float4)});
+  auto kernel = norm_backward_kernel<kLayerNorm, kBackwardStages>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
   const int blocks = std::max(1, std::min({std::max(1, per_sm) * sm_count(), (N + groups - 1) / groups,
                                            kMaxBackwardBlocks}));
-  kernel<<<blocks, threads, 0, stream>>>(dx, partials, dy, x, w, mean, rstd, N, C, group_threads, accumulate);
+  kernel<<<blocks, threads, smem, stream>>>(dx, partials, dw, db, ws.tickets, dy, x, w, mean, rstd, N, C,
+                                            group_threads, accumulate);
   CUDA_CHECK_LAUNCH();
-  if (kLayerNorm)
-    column_sum2(dw, partials, db, partials + static_cast<size_t>(blocks) * C, blocks, C, C, ws, stream);
-  else
-    column_sum(dw, partials, blocks, C, C, ws, stream);
 }
 
 }  // namespace
