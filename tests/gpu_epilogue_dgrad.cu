@@ -64,7 +64,7 @@ TEST(GpuEpilogue, SwiGluBackwardWithoutActStore) {
 // GPT-2's projection dgrad and LayerNorm-backward pieces in one program: GELU backward from the saved
 // pre-activation (tile map), bias-gradient column sums (ColDot<Ones>), a column dot with a row statistic
 // (ColDot<RowOf>), <dz, pre> and <dz, c> row dots, the row scale, the rank-1 subtraction with a row
-// statistic and a column vector, a scaled subtraction of a bf16 tile, and a final GELU.
+// statistic and a column vector, a scaled subtraction of a second bf16 tile (tile input 1), and a final GELU.
 TEST(GpuEpilogue, NormBackwardPiecesColumnAndRowDotsScaledSubtractions) {
   SKIP_WITHOUT_GPU();
   const Problem<GemmLayout::Dgrad> p(936, 784, 328);
@@ -85,7 +85,7 @@ TEST(GpuEpilogue, NormBackwardPiecesColumnAndRowDotsScaledSubtractions) {
                             RowDot<ColVector>(ColVector{c.at(dev)}, dot_c.at(dev)),
                             RowBroadcast<Mul, RowOf<RstdOfPartials>>(rstd),
                             SubScaled<ColVector, RowOf<RstdOfPartials>>(rstd, ColVector{c.at(dev)}),
-                            SubScaled<Tile>(alpha.at(dev), Tile{h.at(dev), N}), Elementwise<Gelu>());
+                            SubScaled<TileOf<1>>(alpha.at(dev), TileOf<1>{h.at(dev), N}), Elementwise<Gelu>());
       };
       run_both_bf16(p, tile, mode, make);
       expect_match("bias-gradient column sums", col_b, 2e-3);

@@ -92,14 +92,15 @@ struct LnBackwardColumns {
 
 // Dgrad of a LayerNormed GEMM (QKV, fc, LM head) with the LayerNorm backward: accumulator D' = r du;
 // d_residual [M, d] += D' (.) gamma - k h + e, stored in place (the GEMM's output is d_residual).
-// stats: the norm's partials; dots: the row dots of its input gradient dz; h: the norm's input.
+// stats: the norm's partials; dots: the row dots of its input gradient dz; h: the norm's input (tile
+// input 0), d_residual tile input 1.
 inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
                                 const bf16* gamma, const bf16* d_residual, const LnBackwardColumns& cols) {
   return make_program(ColDot<RowOf<LnInvRstd>>(LnInvRstd{stats}, cols.dbeta, d),
                       ColDot<RowOf<LnMean>>(LnMean{stats}, cols.q, d), ColDot<Tile>(Tile{h, d}, cols.p, d),
                       ColBroadcast<Mul, bf16>(gamma),
                       SubScaled<Tile, RowOf<LnBackwardK>>(LnBackwardK{stats, dots}, Tile{h, d}),
-                      RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{stats, dots}), TileLoad<Add>(d_residual, d),
+                      RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{stats, dots}), TileLoad<Add, 1>(d_residual, d),
                       ColDot<Ones>(Ones{}, cols.residual, d));
 }
 

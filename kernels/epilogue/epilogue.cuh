@@ -23,11 +23,22 @@
 // Row partial reductions are written per (row, N tile) to a buffer [M, tiles_n] (row-major, fp32);
 // column partial reductions per (16-row group, output column) to a buffer [ceil(M / 16), ld]. Whoever
 // consumes them finishes them (sum of partials, or merge_lse for log-sum-exp). No global atomics.
+//
+// Tile inputs (an extra bf16 matrix laid out like the output: residual stream, saved pre-activations,
+// the saved SwiGLU pairs) are numbered: TileOf<k>, TileLoad<Op, k> and SwiGluBackward<T, k> read tile
+// input k (0 unless a program reads two different matrices). The host reads them from the arrays; on
+// the GPU the GEMM brings the chunk that the epilogue is about to visit (64 rows x one staging chunk of
+// output columns) into shared memory with TMA, issued before the tile's mainloop so that it lands under
+// the MMAs, and the primitives read it there (load_tile). Program::collect_tiles names the matrices to
+// the launch, which builds their tensor maps (gemm_launch.cuh).
 #pragma once
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define CODA_HD __host__ __device__ __forceinline__
@@ -69,6 +80,10 @@ struct RowCtx {
   int tile_n;     // index of the N tile: the partial-reduction column
   int tiles_n;    // number of N tiles: the partial buffer's row length
   int M, N;       // accumulator extents
+  // GPU only: the staged chunk of tile input 0 (input k is kTileChunkBytes further), its first row and
+  // output column, and its row length in bytes (128: bf16 output chunks; 64: fp32 ones).
+  const uint8_t* tiles = nullptr;
+  int tile_row0 = 0, tile_col0 = 0, tile_row_bytes = 128;
   // Slot s is in use. Loops over slots run to the constant kMaxSlots and test this, so the compiler
   // unrolls them and keeps per-slot state in registers (a loop to num_slots, around a loop of unknown
   // length such as a sum of partials, stayed rolled and put the state in local memory).
@@ -140,24 +155,116 @@ CODA_HD void fast_sincos(float x, float* s, float* c) {
 #endif
 }
 
-// Reads of a program's extra inputs (tiles, column and row vectors) go through the read-only data path
-// on the GPU (ld.global.nc): that tells the compiler they cannot alias the epilogue's own stores, so the
-// loads of a whole chunk of fragments can be issued together instead of costing one memory latency per
-// fragment (measured: a residual program with plain loads ran 8-12x slower than the bare GEMM). Every
-// input is written before the GEMM starts; an in-place tile (d_residual loaded, added to and stored by
-// TMA) is read before the store of its chunk is issued, and never again.
-CODA_HD float load_input(const float* p) {
+// Reads of a program's column vectors go through the read-only data path on the GPU (ld.global.nc): that
+// tells the compiler they cannot alias the epilogue's own stores, so the loads of a whole chunk of
+// fragments can be issued together instead of costing one memory latency per fragment. A fragment's n
+// values (1, 2 or 4, at a column that is a multiple of n) are one vector load: vectors must be 16-byte
+// aligned (cudaMalloc, the parameter layout and the arena guarantee it).
+CODA_HD void load_values(const float* p, int n, float* x) {
 #if defined(__CUDA_ARCH__)
-  return __ldg(p);
+  if (n == 4) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else if (n == 2) {
+    const float2 v = __ldg(reinterpret_cast<const float2*>(p));
+    x[0] = v.x, x[1] = v.y;
+  } else {
+    x[0] = __ldg(p);
+  }
 #else
-  return *p;
+  for (int i = 0; i < n; ++i) x[i] = p[i];
 #endif
 }
-CODA_HD float load_input(const __nv_bfloat16* p) {
+
+#if defined(__CUDACC__)
+// n bf16 values from raw bits (n = 1, 2 or 4; the first value in the low half of the first word).
+__device__ __forceinline__ void unpack_bf16(const uint32_t* w, int n, float* x) {
+  for (int i = 0; i < n; ++i) x[i] = __uint_as_float(i % 2 == 0 ? w[i / 2] << 16 : w[i / 2] & 0xffff0000u);
+}
+#endif
+
+CODA_HD void load_values(const __nv_bfloat16* p, int n, float* x) {
 #if defined(__CUDA_ARCH__)
-  return __bfloat162float(__ldg(p));
+  uint32_t w[2];
+  if (n == 4) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x, w[1] = v.y;
+  } else if (n == 2) {
+    w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else {
+    w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+  }
+  unpack_bf16(w, n, x);
 #else
-  return __bfloat162float(*p);
+  for (int i = 0; i < n; ++i) x[i] = __bfloat162float(p[i]);
+#endif
+}
+
+// The stores of auxiliary outputs, one vector store of a fragment's n values (1, 2 or 4, at a column that
+// is a multiple of n; rows of an even number of elements, 16-byte aligned matrices).
+template <class T>
+CODA_HD void store_values(T* p, int n, const float* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == 4)
+      *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    else if (n == 2)
+      *reinterpret_cast<float2*>(p) = make_float2(x[0], x[1]);
+    else
+      *p = x[0];
+  } else {
+    if (n == 4) {
+      p[0] = __float2bfloat16_rn(x[0]), p[1] = __float2bfloat16_rn(x[1]);
+      p[2] = __float2bfloat16_rn(x[2]), p[3] = __float2bfloat16_rn(x[3]);
+    } else if (n == 2) {
+      *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x[0], x[1]);
+    } else {
+      *p = __float2bfloat16_rn(x[0]);
+    }
+  }
+}
+
+// ---- tile inputs ------------------------------------------------------------------------------------
+
+constexpr int kMaxTileInputs = 2;
+constexpr int kTileChunkBytes = 64 * 128;  // one staged chunk of a tile input (64 rows x 128 bytes at most)
+
+// A tile input as the launch sees it: the matrix and its row stride (elements).
+struct TileSource {
+  const __nv_bfloat16* src = nullptr;
+  int ld = 0;
+};
+
+// Host side of collect_tiles: records that tile input `slot` is (src, ld); one slot, one matrix.
+inline void add_tile_source(TileSource* sources, int slot, const __nv_bfloat16* src, int ld) {
+  if (sources[slot].src != nullptr && (sources[slot].src != src || sources[slot].ld != ld))
+    throw std::invalid_argument("epilogue program: tile input " + std::to_string(slot) +
+                                " is given two different matrices (number the second one 1)");
+  sources[slot] = TileSource{src, ld};
+}
+
+// n (1, 2 or 4) values of tile input kSlot at (f.row, col), col an output column and a multiple of n.
+// GPU: from the staged chunk (swizzled as TMA writes it: the 16-byte unit index XORed with bits 7.. of
+// the linear offset, i.e. the row mod 8 for 128-byte rows, row / 2 mod 4 for 64-byte rows; the 8 rows
+// of a warp's quads then fall in different banks); rows >= M and columns past the matrix were
+// zero-filled by TMA. Host: from the matrix.
+template <int kSlot>
+CODA_HD void load_tile(const TileSource& t, const Frag& f, const RowCtx& ctx, int col, int n, float* x) {
+#if defined(__CUDA_ARCH__)
+  const int linear = (f.row - ctx.tile_row0) * ctx.tile_row_bytes + (col - ctx.tile_col0) * 2;
+  const int swizzled = linear ^ (((linear >> 7) & (ctx.tile_row_bytes / 16 - 1)) << 4);
+  const uint8_t* p = ctx.tiles + kSlot * kTileChunkBytes + swizzled;
+  uint32_t w[2];
+  if (n == 4) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x, w[1] = v.y;
+  } else if (n == 2) {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    w[0] = *reinterpret_cast<const uint16_t*>(p);
+  }
+  unpack_bf16(w, n, x);
+#else
+  for (int i = 0; i < n; ++i) x[i] = __bfloat162float(t.src[static_cast<size_t>(f.row) * t.ld + col + i]);
 #endif
 }
 
@@ -241,39 +348,43 @@ struct Rope {
   }
 };
 
-// Where a fragment reads an extra input laid out like the output: its own row and output column, clamped
-// into the matrix for fragments past its edges (rows >= M, columns >= N: their values are never stored or
-// reduced). Reading unconditionally keeps the loads out of branches, so the compiler can issue the loads of
-// a whole chunk of fragments together (see load_input).
-CODA_HD int input_row(const Frag& f, const RowCtx& ctx) { return f.row < ctx.M ? f.row : ctx.M - 1; }
+// The output column of a fragment's column-vector entries, clamped into the vector for fragments past
+// N (the last N tile's padding: their values are never stored or reduced). Reading unconditionally
+// keeps the loads out of branches, so the compiler can issue the loads of a whole chunk together.
 CODA_HD int input_col(const Frag& f, const RowCtx& ctx) {
   const int last = ctx.N * f.expand / f.stride - f.width;
   return out_col(f) < last ? out_col(f) : last;
 }
-CODA_HD size_t input_offset(const Frag& f, const RowCtx& ctx, int ld) {
-  return static_cast<size_t>(input_row(f, ctx)) * ld + input_col(f, ctx);
-}
 
 // ---- operands: the second factor of a broadcast, a dot or a scaled subtraction --------------------
-// x(f, ctx, i): the operand at (f.row, out_col(f) + i); begin_rows loads per-row data.
+// load(f, ctx, x): the operand at (f.row, out_col(f) + i) for the fragment's values i; begin_rows
+// loads per-row data; kTileInputs and collect_tiles: the tile inputs it reads (see the top).
 
-struct Ones {
+struct NoTiles {
+  static constexpr int kTileInputs = 0;
+  void collect_tiles(TileSource*) const {}
+};
+
+struct Ones : NoTiles {
   CODA_HD void begin_rows(const RowCtx&) {}
-  CODA_HD float operator()(const Frag&, const RowCtx&, int) const { return 1.0f; }
+  CODA_HD void load(const Frag& f, const RowCtx&, float* x) const {
+    CODA_FOR_VALUES(i, f) x[i] = 1.0f;
+  }
 };
 
 template <class T>
-struct ColVectorOf {
+struct ColVectorOf : NoTiles {
   const T* vec;
+  CODA_HD ColVectorOf(const T* v) : vec(v) {}
   CODA_HD void begin_rows(const RowCtx&) {}
-  CODA_HD float operator()(const Frag& f, const RowCtx& ctx, int i) const { return load_input(vec + input_col(f, ctx) + i); }
+  CODA_HD void load(const Frag& f, const RowCtx& ctx, float* x) const { load_values(vec + input_col(f, ctx), f.width, x); }
 };
 using ColVector = ColVectorOf<float>;
 
 // A per-row value: stat(row) evaluated once per row as the rows begin (0 on rows >= M). Stat is a loaded
 // vector (RowVector) or a statistic finished from a producer's partials (norm_stats.cuh).
 template <class Stat>
-struct RowOf {
+struct RowOf : NoTiles {
   Stat stat;
   float value[2] = {0.0f, 0.0f};
   CODA_HD RowOf(const Stat& s) : stat(s) {}  // implicit: RowBroadcast<Op, RowOf<S>>(stat)
@@ -281,36 +392,45 @@ struct RowOf {
     for (int s = 0; s < RowCtx::kMaxSlots; ++s)
       if (ctx.has_slot(s)) value[s] = ctx.rows[s] < ctx.M ? stat(ctx.rows[s]) : 0.0f;
   }
-  CODA_HD float operator()(const Frag& f, const RowCtx&, int) const { return value[f.slot]; }
+  CODA_HD void load(const Frag& f, const RowCtx&, float* x) const {
+    CODA_FOR_VALUES(i, f) x[i] = value[f.slot];
+  }
 };
 
 struct Loaded {
   const float* vec;
   CODA_HD Loaded(const float* v) : vec(v) {}  // implicit: RowVector(pointer)
-  CODA_HD float operator()(int row) const { return load_input(vec + row); }
+  CODA_HD float operator()(int row) const {
+    float x;
+    load_values(vec + row, 1, &x);
+    return x;
+  }
 };
 
 struct RowVector : RowOf<Loaded> {
   CODA_HD RowVector(const float* v) : RowOf<Loaded>(Loaded(v)) {}  // implicit: RowBroadcast<Op>(pointer)
 };
 
-// A bf16 tile of the output's shape (row stride ld); 0 on rows >= M.
-struct Tile {
+// Tile input kSlot: a bf16 matrix of the output's shape (row stride ld); 0 on rows >= M.
+template <int kSlot>
+struct TileOf {
+  static constexpr int kTileInputs = kSlot + 1;
   const __nv_bfloat16* src;
   int ld;
+  void collect_tiles(TileSource* sources) const { add_tile_source(sources, kSlot, src, ld); }
   CODA_HD void begin_rows(const RowCtx&) {}
-  CODA_HD float operator()(const Frag& f, const RowCtx& ctx, int i) const {
-    const float x = load_input(src + input_offset(f, ctx, ld) + i);
-    return f.row < ctx.M ? x : 0.0f;
+  CODA_HD void load(const Frag& f, const RowCtx& ctx, float* x) const {
+    load_tile<kSlot>(TileSource{src, ld}, f, ctx, out_col(f), f.width, x);
   }
 };
+using Tile = TileOf<0>;
 
 // ---- primitives -----------------------------------------------------------------------------------
 
 // Empty hooks; each primitive overrides the ones it needs. kColsPerOut: accumulator columns per output
 // column after this primitive (2 for a 2->1 map); kOutsPerCol: output columns per accumulator column
-// (2 for a 1->2 map).
-struct Primitive {
+// (2 for a 1->2 map); kTileInputs: 1 + the highest tile input it reads (0: none).
+struct Primitive : NoTiles {
   static constexpr int kColsPerOut = 1;
   static constexpr int kOutsPerCol = 1;
   CODA_HD void begin_rows(const RowCtx&) {}
@@ -319,16 +439,22 @@ struct Primitive {
   CODA_HD void end_rows(const RowCtx&, const Lanes&) {}
 };
 
+constexpr int max_of(int a, int b) { return a > b ? a : b; }
+
 // Row broadcast: v = op(v, x[row]) for a row operand x (above): a loaded vector (RowVector: RMSNorm
 // rstd, LayerNorm mean, ...) or a statistic finished from partials as the rows begin (norm_stats.cuh).
 template <class Op, class X = RowVector>
 struct RowBroadcast : Primitive {
+  static constexpr int kTileInputs = X::kTileInputs;
   X x;
   template <class V>
   CODA_HD explicit RowBroadcast(const V& v) : x(v) {}
+  void collect_tiles(TileSource* sources) const { x.collect_tiles(sources); }
   CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], x(f, ctx, i));
+    float xs[Frag::kMaxWidth];
+    x.load(f, ctx, xs);
+    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], xs[i]);
   }
 };
 
@@ -336,24 +462,27 @@ struct RowBroadcast : Primitive {
 // vectors: T = float).
 template <class Op, class T = float>
 struct ColBroadcast : Primitive {
-  const T* vec;
+  ColVectorOf<T> vec;
   CODA_HD explicit ColBroadcast(const T* v) : vec(v) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    const int c = input_col(f, ctx);
-    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], load_input(vec + c + i));
+    float xs[Frag::kMaxWidth];
+    vec.load(f, ctx, xs);
+    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], xs[i]);
   }
 };
 
-// Tile load: v = op(v, src[row, output column]) for an extra bf16 input of the output's shape (residual
-// stream, saved pre-activations). ld: row stride of src in elements.
-template <class Op>
+// Tile load: v = op(v, src[row, output column]) for tile input kSlot (residual stream, saved
+// pre-activations). ld: row stride of src in elements.
+template <class Op, int kSlot = 0>
 struct TileLoad : Primitive {
-  const __nv_bfloat16* src;
-  int ld;
-  CODA_HD TileLoad(const __nv_bfloat16* s, int l) : src(s), ld(l) {}
+  static constexpr int kTileInputs = kSlot + 1;
+  TileOf<kSlot> tile;
+  CODA_HD TileLoad(const __nv_bfloat16* s, int l) : tile{s, l} {}
+  void collect_tiles(TileSource* sources) const { tile.collect_tiles(sources); }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    const __nv_bfloat16* p = src + input_offset(f, ctx, ld);
-    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], load_input(p + i));
+    float xs[Frag::kMaxWidth];
+    tile.load(f, ctx, xs);
+    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], xs[i]);
   }
 };
 
@@ -393,8 +522,7 @@ struct StoreAux : Primitive {
   CODA_HD StoreAux(T* d, int l) : dst(d), ld(l) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N || f.row >= ctx.M) return;
-    T* p = dst + static_cast<size_t>(f.row) * ld + out_col(f);
-    CODA_FOR_VALUES(i, f) p[i] = static_cast<T>(f.v[i]);
+    store_values(dst + static_cast<size_t>(f.row) * ld + out_col(f), f.width, f.v);
   }
 };
 
@@ -417,47 +545,62 @@ struct RowPick : Primitive {
 };
 
 // ---- partial reductions ---------------------------------------------------------------------------
-// A reduction kind: a two-float state, its identity, how a value enters it, how two states merge, and
-// how it is written to the partial buffer (float per entry, float2 for log-sum-exp).
+// A reduction kind: a two-float state, its identity, how a fragment's values enter it (n of them; a
+// value that takes no part is given as masked()), how two states merge, and how it is written to the
+// partial buffer (float per entry, float2 for log-sum-exp).
 
 struct Sum {
   using Out = float;
+  CODA_HD static float masked() { return 0.0f; }
   CODA_HD static void init(float& a, float& b) { a = 0.0f, b = 0.0f; }
-  CODA_HD static void add(float& a, float&, float x) { a += x; }
+  CODA_HD static void add(float& a, float&, const float* x, int n) {
+    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) a += x[i];
+  }
   CODA_HD static void merge(float& a, float&, float a2, float) { a += a2; }
   CODA_HD static Out result(float a, float) { return a; }
 };
 
 struct SumSquares {
   using Out = float;
+  CODA_HD static float masked() { return 0.0f; }
   CODA_HD static void init(float& a, float& b) { a = 0.0f, b = 0.0f; }
-  CODA_HD static void add(float& a, float&, float x) { a += x * x; }
+  CODA_HD static void add(float& a, float&, const float* x, int n) {
+    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) a = fmaf(x[i], x[i], a);
+  }
   CODA_HD static void merge(float& a, float&, float a2, float) { a += a2; }
   CODA_HD static Out result(float a, float) { return a; }
 };
 
 struct Max {
   using Out = float;
+  CODA_HD static float masked() { return -INFINITY; }
   CODA_HD static void init(float& a, float& b) { a = -INFINITY, b = 0.0f; }
-  CODA_HD static void add(float& a, float&, float x) { a = fmaxf(a, x); }
+  CODA_HD static void add(float& a, float&, const float* x, int n) {
+    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) a = fmaxf(a, x[i]);
+  }
   CODA_HD static void merge(float& a, float&, float a2, float) { a = fmaxf(a, a2); }
   CODA_HD static Out result(float a, float) { return a; }
 };
 
 // Online log-sum-exp: state (m, s) = (running max, sum of exp(x - m)); a partial is (m, s) and the
-// full-row value is merge_lse over the partials.
+// full-row value is merge_lse over the partials. A fragment enters without a branch: the new max over
+// the state and its values, then one rescale of s and one exp per value against it (a branch per value
+// split the unrolled epilogue into a basic block per value, one dependency chain at a time). Rows
+// without a value yet (m = -inf) shift by 0, so exp(-inf) = 0 stands for the empty sums.
 struct LogSumExp {
   struct Out {
     float max, sum;
   };
+  CODA_HD static float masked() { return -INFINITY; }
   CODA_HD static void init(float& m, float& s) { m = -INFINITY, s = 0.0f; }
-  CODA_HD static void add(float& m, float& s, float x) {
-    if (x > m) {
-      s = s * fast_exp(m - x) + 1.0f;
-      m = x;
-    } else {
-      s += fast_exp(x - m);
-    }
+  CODA_HD static void add(float& m, float& s, const float* x, int n) {
+    float mx = m;
+    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) mx = fmaxf(mx, x[i]);
+    const float shift = mx == -INFINITY ? 0.0f : mx;
+    float e = 0.0f;
+    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) e += fast_exp(x[i] - shift);
+    s = fmaf(s, fast_exp(m - shift), e);
+    m = mx;
   }
   CODA_HD static void merge(float& m, float& s, float m2, float s2) {
     if (m2 == -INFINITY) return;
@@ -480,7 +623,7 @@ CODA_HD float merge_lse(const LogSumExp::Out* partials, int count) {
 }
 
 // Per (row, N tile) partial of the current values: out[row * ctx.tiles_n + ctx.tile_n]. Columns >= N
-// (tile padding) are left out.
+// (tile padding) and output columns >= col_end are left out.
 template <class Kind>
 struct RowReduce : Primitive {
   typename Kind::Out* out;
@@ -493,7 +636,9 @@ struct RowReduce : Primitive {
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
     const int c = out_col(f);
-    CODA_FOR_VALUES(i, f) if (c + i < col_end) Kind::add(a[f.slot], b[f.slot], f.v[i]);
+    float x[Frag::kMaxWidth];
+    CODA_FOR_VALUES(i, f) x[i] = c + i < col_end ? f.v[i] : Kind::masked();
+    Kind::add(a[f.slot], b[f.slot], x, f.width);
   }
   template <class Lanes>
   CODA_HD void end_rows(const RowCtx& ctx, const Lanes& lanes) {
@@ -513,17 +658,25 @@ struct RowReduce : Primitive {
 // with x a ColVector, the u_hat term of a norm backward with x a Tile).
 template <class X, class A = RowVector>
 struct SubScaled : Primitive {
+  static constexpr int kTileInputs = max_of(X::kTileInputs, A::kTileInputs);
   A alpha;
   X x;
   template <class AV>
   CODA_HD SubScaled(const AV& a, const X& x_) : alpha(a), x(x_) {}
+  void collect_tiles(TileSource* sources) const {
+    alpha.collect_tiles(sources);
+    x.collect_tiles(sources);
+  }
   CODA_HD void begin_rows(const RowCtx& ctx) {
     alpha.begin_rows(ctx);
     x.begin_rows(ctx);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    CODA_FOR_VALUES(i, f) f.v[i] -= alpha(f, ctx, i) * x(f, ctx, i);
+    float as[Frag::kMaxWidth], xs[Frag::kMaxWidth];
+    alpha.load(f, ctx, as);
+    x.load(f, ctx, xs);
+    CODA_FOR_VALUES(i, f) f.v[i] -= as[i] * xs[i];
   }
 };
 
@@ -531,15 +684,19 @@ struct SubScaled : Primitive {
 // backward, taken on dz against a tile or a weight-derived vector).
 template <class X>
 struct RowDot : RowReduce<Sum> {
+  static constexpr int kTileInputs = X::kTileInputs;
   X x;
   CODA_HD RowDot(const X& x_, float* o) : RowReduce<Sum>(o), x(x_) {}
+  void collect_tiles(TileSource* sources) const { x.collect_tiles(sources); }
   CODA_HD void begin_rows(const RowCtx& ctx) {
     RowReduce<Sum>::begin_rows(ctx);
     x.begin_rows(ctx);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    CODA_FOR_VALUES(i, f) a[f.slot] += f.v[i] * x(f, ctx, i);
+    float xs[Frag::kMaxWidth];
+    x.load(f, ctx, xs);
+    CODA_FOR_VALUES(i, f) a[f.slot] = fmaf(f.v[i], xs[i], a[f.slot]);
   }
 };
 
@@ -553,16 +710,19 @@ struct RowDot : RowReduce<Sum> {
 template <class X>
 struct ColDot : Primitive {
   static constexpr int kRows = 16;
+  static constexpr int kTileInputs = X::kTileInputs;
   X x;
   float* out;
   int ld;
   float first[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // slot 0's products, GPU only
   CODA_HD ColDot(const X& x_, float* o, int l) : x(x_), out(o), ld(l) {}
+  void collect_tiles(TileSource* sources) const { x.collect_tiles(sources); }
   CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (f.col >= ctx.N) return;
-    float y[4];
-    CODA_FOR_VALUES(i, f) y[i] = f.row < ctx.M ? f.v[i] * x(f, ctx, i) : 0.0f;
+    float xs[Frag::kMaxWidth], y[Frag::kMaxWidth];
+    x.load(f, ctx, xs);
+    CODA_FOR_VALUES(i, f) y[i] = f.row < ctx.M ? f.v[i] * xs[i] : 0.0f;
     float* p = out + static_cast<size_t>(f.row / kRows) * ld + out_col(f);
 #if defined(__CUDA_ARCH__)
     if (f.slot == 0) {
@@ -582,31 +742,33 @@ struct ColDot : Primitive {
 };
 
 // SwiGLU backward, 1 -> 2. The accumulator is dy, the gradient of y = silu(g) u; with the saved
-// interleaved pair (g, u) at gu[row, 2c], 2c + 1 (c the accumulator column) it writes the interleaved
-// (dg, du) = (dy u silu'(g), dy silu(g)), silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), and, if act
-// is not null, stores the recomputed y = silu(g) u to act[row, c] (the down projection's weight-gradient
-// input; null where the forward saved it).
-template <class T>
+// interleaved pair (g, u) at gu[row, 2c], 2c + 1 (c the accumulator column: tile input kSlot, read at
+// the output column 2c) it writes the interleaved (dg, du) = (dy u silu'(g), dy silu(g)),
+// silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g), and, if act is not null, stores the recomputed
+// y = silu(g) u to act[row, c] (the down projection's weight-gradient input; null where the forward
+// saved it).
+template <class T, int kSlot = 0>
 struct SwiGluBackward : Primitive {
   static constexpr int kOutsPerCol = 2;
-  const __nv_bfloat16* gu;
-  int ld_gu;
+  static constexpr int kTileInputs = kSlot + 1;
+  TileOf<kSlot> gu;
   T* act;
   int ld_act;
-  CODA_HD SwiGluBackward(const __nv_bfloat16* g, int lg, T* a, int la) : gu(g), ld_gu(lg), act(a), ld_act(la) {}
+  CODA_HD SwiGluBackward(const __nv_bfloat16* g, int lg, T* a, int la) : gu{g, lg}, act(a), ld_act(la) {}
+  void collect_tiles(TileSource* sources) const { gu.collect_tiles(sources); }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const bool inside = f.col < ctx.N && f.row < ctx.M;
-    const int row = input_row(f, ctx), c0 = input_col(f, ctx);
+    float out[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pairs[4], y[Frag::kMaxWidth];
+    const int c0 = out_col(f);
+    load_tile<kSlot>(TileSource{gu.src, gu.ld}, f, ctx, 2 * c0, 2 * f.width, pairs);
     CODA_FOR_VALUES(i, f) {
-      const int c = c0 + i;
-      const __nv_bfloat16* p = gu + static_cast<size_t>(row) * ld_gu + 2 * c;
-      const float g = load_input(p), u = load_input(p + 1);
+      const float g = pairs[2 * i], u = pairs[2 * i + 1];
       const float s = fast_sigmoid(g), silu = g * s;
       out[2 * i] = f.v[i] * u * s * (1.0f + g * (1.0f - s));
       out[2 * i + 1] = f.v[i] * silu;
-      if (inside && act != nullptr) act[static_cast<size_t>(row) * ld_act + c] = static_cast<T>(silu * u);
+      y[i] = silu * u;
     }
+    if (act != nullptr && f.col < ctx.N && f.row < ctx.M)
+      store_values(act + static_cast<size_t>(f.row) * ld_act + c0, f.width, y);
     f.width *= 2;
     f.expand *= 2;
     CODA_FOR_VALUES(i, f) f.v[i] = out[i];
@@ -626,10 +788,17 @@ template <class P, class... Rest>
 struct Program<P, Rest...> {
   static constexpr int kColsPerOut = P::kColsPerOut * Program<Rest...>::kColsPerOut;
   static constexpr int kOutsPerCol = P::kOutsPerCol * Program<Rest...>::kOutsPerCol;
+  static constexpr int kTileInputs = max_of(P::kTileInputs, Program<Rest...>::kTileInputs);
+  static_assert(kTileInputs <= kMaxTileInputs, "a program reads at most kMaxTileInputs tile inputs");
   P head;
   Program<Rest...> tail;
   Program() = default;
   CODA_HD Program(const P& p, const Rest&... rest) : head(p), tail(rest...) {}
+  // Host: fills sources[k] with tile input k (the launch's tensor maps).
+  void collect_tiles(TileSource* sources) const {
+    head.collect_tiles(sources);
+    tail.collect_tiles(sources);
+  }
   CODA_HD void begin_rows(const RowCtx& ctx) {
     head.begin_rows(ctx);
     tail.begin_rows(ctx);

@@ -3,7 +3,11 @@
 //
 // Tensor maps (cuTensorMapEncodeTiled, through sm90::tensor_map_encoder(), so no libcuda link is needed):
 // 2-D, innermost dimension first, 128B swizzle, zero fill out of bounds. Boxes: K-major operands
-// {64 k, 128 or BN rows}; MN-major operands {64 m|n, 64 k}; output {128 bytes of columns, 64 rows}.
+// {64 k, 128 or BN rows}; MN-major operands {64 m|n, 64 k}; output {128 bytes of columns, 64 rows};
+// a program's tile inputs {the output chunk's columns, 64 rows} (bf16: 128 bytes, or 64 with 64B swizzle
+// beside a fp32 output).
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -24,24 +28,26 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("gemm: " + what);
 }
 
-// Dense row-major [outer, inner] matrix of elem_bytes elements, read or written in boxes of
-// [box_outer, box_inner].
+// Row-major [outer, inner] matrix of elem_bytes elements with rows ld elements apart, read or written in
+// boxes of [box_outer, box_inner], swizzled by the box's row length (128 or 64 bytes).
 CUtensorMap make_map(const void* base, CUtensorMapDataType type, int elem_bytes, long long inner, long long outer,
-                     int box_inner, int box_outer, const char* name) {
-  require(reinterpret_cast<uintptr_t>(base) % 16 == 0, std::string(name) + " must be 16-byte aligned");
-  require(inner * elem_bytes % 16 == 0, std::string(name) + " row stride must be a multiple of 16 bytes (columns " +
-                                            std::to_string(inner) + ")");
+                     long long ld, int box_inner, int box_outer, const std::string& name) {
+  require(reinterpret_cast<uintptr_t>(base) % 16 == 0, name + " must be 16-byte aligned");
+  require(ld * elem_bytes % 16 == 0, name + " row stride must be a multiple of 16 bytes (" + std::to_string(ld) +
+                                         " elements)");
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner * elem_bytes)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * elem_bytes)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_outer)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r = sm90::tensor_map_encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box,
                                                 element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                box_inner * elem_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                                             : CU_TENSOR_MAP_SWIZZLE_128B,
+                                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("gemm: cuTensorMapEncodeTiled failed for ") + name + " (CUresult " +
+    throw std::runtime_error("gemm: cuTensorMapEncodeTiled failed for " + name + " (CUresult " +
                              std::to_string(static_cast<int>(r)) + ", " + std::to_string(outer) + " x " +
                              std::to_string(inner) + ")");
   return map;
@@ -64,11 +70,24 @@ int choose_splits(int tiles, int k_blocks, int sms) {
   return best;
 }
 
+// CODA_GEMM_TILE=coop128x256 or pingpong128x128 forces every Auto choice (measurement: the trainer's
+// CODA_PROFILE table then shows each program on that tile); unset or empty: the measured rule below.
+GemmTile forced_tile() {
+  static const GemmTile forced = [] {
+    const char* v = std::getenv("CODA_GEMM_TILE");
+    if (v == nullptr || *v == '\0') return GemmTile::Auto;
+    for (GemmTile t : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128})
+      if (std::strcmp(v, gemm_tile_name(t)) == 0) return t;
+    throw std::invalid_argument(std::string("CODA_GEMM_TILE=") + v + ": expected coop128x256 or pingpong128x128");
+  }();
+  return forced;
+}
+
 }  // namespace
 
 Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D,
                const void* A, const void* B, int M, int N, int K, bool accumulate, bool identity_program,
-               cudaStream_t stream) {
+               const epi::TileSource* sources, int tile_inputs, cudaStream_t stream) {
   require(M > 0 && N > 0 && K > 0, "empty shape M=" + std::to_string(M) + " N=" + std::to_string(N) +
                                        " K=" + std::to_string(K));
   require(N % (8 * cols_per_out) == 0, "N=" + std::to_string(N) + " must be a multiple of " +
@@ -77,19 +96,27 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
   const auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   Launch l{};
   if (layout == GemmLayout::Wgrad) {
-    l.a = make_map(A, bf16, 2, M, K, 64, 64, "wgrad dY");
-    l.b = make_map(B, bf16, 2, N, K, 64, 64, "wgrad X");
+    l.a = make_map(A, bf16, 2, M, K, M, 64, 64, "wgrad dY");
+    l.b = make_map(B, bf16, 2, N, K, N, 64, 64, "wgrad X");
   } else {
-    l.a = make_map(A, bf16, 2, K, M, 64, 128, layout == GemmLayout::Forward ? "forward X" : "dgrad dY");
+    l.a = make_map(A, bf16, 2, K, M, K, 64, 128, layout == GemmLayout::Forward ? "forward X" : "dgrad dY");
     if (layout == GemmLayout::Forward)
-      l.b = make_map(B, bf16, 2, K, N, 64, bn, "forward W");
+      l.b = make_map(B, bf16, 2, K, N, K, 64, bn, "forward W");
     else
-      l.b = make_map(B, bf16, 2, N, K, 64, 64, "dgrad W");
+      l.b = make_map(B, bf16, 2, N, K, N, 64, 64, "dgrad W");
   }
   const int out_bytes = out_fp32 ? 4 : 2;
   const int out_cols = N * outs_per_col / cols_per_out;
-  l.d = make_map(D, out_fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : bf16, out_bytes, out_cols, M, 128 / out_bytes, 64,
-                 "output");
+  l.d = make_map(D, out_fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : bf16, out_bytes, out_cols, M, out_cols,
+                 128 / out_bytes, 64, "output");
+  // Tile inputs are read at the output's positions, one staging chunk's columns at a time.
+  for (int i = 0; i < tile_inputs; ++i) {
+    const std::string name = "tile input " + std::to_string(i);
+    require(sources[i].src != nullptr, name + " of the program is missing (tile inputs are numbered from 0)");
+    require(sources[i].ld >= out_cols, name + " has row stride " + std::to_string(sources[i].ld) + " < " +
+                                           std::to_string(out_cols) + " output columns");
+    l.tiles.map[i] = make_map(sources[i].src, bf16, 2, out_cols, M, sources[i].ld, 128 / out_bytes, 64, name);
+  }
 
   Params& p = l.p;
   p.M = M, p.N = N, p.K = K;
@@ -123,6 +150,7 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 // Measured (docs/GEMM.md): ping-pong wins where the epilogue is a noticeable share of a tile (K up to a
 // few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight gradients.
 GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K) {
+  if (gemm_detail::forced_tile() != GemmTile::Auto) return gemm_detail::forced_tile();
   if (layout == GemmLayout::Wgrad || K >= 8192 || (N <= 1024 && K >= 2048)) return GemmTile::Cooperative128x256;
   return GemmTile::PingPong128x128;
 }

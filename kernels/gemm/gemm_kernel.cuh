@@ -20,6 +20,12 @@
 //    store of one overlaps the filling of the other), fenced for the async proxy, and stored by TMA
 //    (or reduce-added into D when accumulating). TMA clips rows >= M and columns >= N, and zero-fills
 //    out-of-range loads, so tails need no special code.
+//  * tile inputs of the program (epilogue.cuh: an extra bf16 matrix read at the output's positions):
+//    each chunk's 64 rows x (the chunk's output columns) of every input come into shared memory by TMA,
+//    swizzled like the staging buffer, into a small ring per consumer (2 chunk buffers, 1 where 2 would
+//    leave fewer than 3 stages; the ring of stages gives up what they need). Thread 0 of the consumer
+//    issues the tile's first chunks before its mainloop (they land under the MMAs) and each further one
+//    as soon as the chunk that last used its buffer is visited; each chunk has its own mbarrier.
 //  * schedule: work units are (tile, k range); CTA c takes units c, c + grid, ... Tiles come in grouped
 //    order (group_m tile rows sweep across N, so the CTAs in flight share A and B tiles in L2). Split-K
 //    (weight gradients: fp32 output, identity program, few output tiles over a long K): the units are
@@ -55,7 +61,7 @@ struct Params {
   int accumulate;      // 1: D += result (TMA reduce-add); 0: D = result
 };
 
-template <int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_>
+template <int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_>
 struct Config {
   using OutT = OutT_;
   static constexpr int kBM = 128, kBN = kBN_, kBK = 64;  // kBK * 2 B = one 128-byte swizzle row
@@ -65,15 +71,23 @@ struct Config {
   static constexpr int kStagingBytes = 2 * 2 * kBlockBytes;  // 2 consumers x 2 buffers
   static constexpr int kBarrierBytes = 256;
   static constexpr int kSmemLimit = 232448;                  // sm_90 opt-in maximum per block (227 KiB)
-  static constexpr int kStages = (kSmemLimit - 1024 - kStagingBytes - kBarrierBytes) / kStageBytes;
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + kBarrierBytes;
+  static constexpr int kTileInputs = kTileInputs_;           // the program's tile inputs
+  static constexpr int stages_with(int input_buffers) {
+    return (kSmemLimit - 1024 - kStagingBytes - kBarrierBytes - 2 * input_buffers * kTileInputs * kBlockBytes) /
+           kStageBytes;
+  }
+  static constexpr int kInputBuffers = stages_with(2) >= 3 ? 2 : 1;  // chunk buffers per consumer
+  static constexpr int kInputBytes = 2 * kInputBuffers * kTileInputs * kBlockBytes;
+  static constexpr int kStages = stages_with(kInputBuffers);
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + kBarrierBytes;
   static constexpr int kSubs = kPingPong ? 2 : 1;            // m64 sub-blocks per consumer and tile
   static constexpr int kAcc = kBN / 2;                       // fp32 accumulators per thread and sub-block
   static constexpr int kEmptyArrivals = kPingPong ? 4 : 8;   // lane 0 of each consuming warp
   static constexpr int kTurnArrivals = 4;                    // lane 0 of each warp of the other consumer
   static_assert(kBN == 128 || kBN == 256, "wgmma wrappers exist for n = 128 and 256");
   static_assert(kStages >= 3, "shared memory ring too shallow");
-  static_assert((2 * kStages + 2) * 8 <= kBarrierBytes, "barrier area too small");
+  static_assert((2 * kStages + 2 + 2 * kInputBuffers) * 8 <= kBarrierBytes, "barrier area too small");
+  static_assert(kBlockBytes == epi::kTileChunkBytes, "tile input chunks are staging-sized");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages must keep 1024-byte alignment");
 };
 
@@ -180,10 +194,16 @@ __device__ __forceinline__ void stage_values(uint8_t* buf, int row, int out_col,
   }
 }
 
+// The tensor maps of a program's tile inputs (unused entries are left zero).
+struct TileMaps {
+  CUtensorMap map[epi::kMaxTileInputs];
+};
+
 template <class Cfg, class Program>
-__device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d, const Params& p,
-                                        const Program& program, uint8_t* ring, uint8_t* staging, uint64_t* full,
-                                        uint64_t* empty, uint64_t* turn) {
+__device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d, const TileMaps& tile_maps,
+                                        const Params& p, const Program& program, uint8_t* ring, uint8_t* staging,
+                                        uint8_t* inputs, uint64_t* full, uint64_t* empty, uint64_t* turn,
+                                        uint64_t* input_full) {
   using OutT = typename Cfg::OutT;
   // Output columns per accumulator column: kExpand / kRatio (1, 1/2 after a 2->1 map, 2 after a 1->2 map).
   constexpr int kRatio = Program::kColsPerOut;
@@ -202,6 +222,12 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
   const int out_cols = p.N * kExpand / kRatio;
   uint8_t* my_staging = staging + cw * 2 * Cfg::kBlockBytes;
   const uint32_t ring_base = sm90::smem_u32(ring);
+  // Tile inputs: buffer b of this consumer holds chunk input k at my_inputs + (b * kInputs + k) * kBlockBytes.
+  constexpr int kInputs = Cfg::kTileInputs, kBuffers = Cfg::kInputBuffers;
+  constexpr uint32_t kInputChunkBytes = 64 * kOutCols * 2;  // 64 rows x the chunk's columns, bf16
+  uint8_t* my_inputs = inputs + cw * kBuffers * kInputs * Cfg::kBlockBytes;
+  uint64_t* my_input_full = input_full + cw * kBuffers;
+  uint32_t inputs_issued = 0, inputs_used = 0;  // chunks issued (thread 0) and visited (every thread)
 
   float acc[Cfg::kSubs][Cfg::kAcc];
 #pragma unroll
@@ -220,6 +246,30 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
         it += k_blocks;
         continue;
       }
+    }
+    const int n0 = u.n_tile * Cfg::kBN;
+    const int out_col_first = n0 * kExpand / kRatio;
+
+    // The tile's chunks in visiting order: 64-row block, then chunk of output columns. Blocks past M and
+    // chunks past the output's last column are not visited, so they are not loaded either.
+    const int block_chunks = min(kChunks, (out_cols - out_col_first + kOutCols - 1) / kOutCols);
+    auto block_row = [&](int s) { return u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64; };
+    const int tile_chunks = block_chunks * (block_row(0) >= p.M ? 0 : (Cfg::kSubs == 2 && block_row(1) < p.M) ? 2 : 1);
+    auto issue_inputs = [&](int k) {  // chunk k of this tile, into the next buffer
+      const uint32_t b = inputs_issued++ % kBuffers;
+      uint8_t* dst = my_inputs + b * kInputs * Cfg::kBlockBytes;
+      sm90::mbar_arrive_expect_tx(&my_input_full[b], kInputs * kInputChunkBytes);
+#pragma unroll
+      for (int i = 0; i < kInputs; ++i)
+        sm90::tma_load_2d(dst + i * Cfg::kBlockBytes, &tile_maps.map[i], &my_input_full[b],
+                          out_col_first + k % block_chunks * kOutCols, block_row(k / block_chunks));
+    };
+    if constexpr (kInputs > 0) {
+      // The previous tile's chunks were all visited (its last named barrier): every buffer is free.
+      if (t == 0)
+        for (int k = 0; k < kBuffers && k < tile_chunks; ++k) issue_inputs(k);
+    }
+    if constexpr (Cfg::kPingPong) {
       // Consumer 0's first turn is free (a wait for parity 1 on a fresh barrier succeeds at once).
       sm90::mbar_wait(&turn[cw], (my_units++ & 1) ^ (cw == 0 ? 1 : 0));
     }
@@ -228,9 +278,8 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     // latency runs under the MMAs instead of stalling the first fragment of each 64-row block. (Issued
     // just before wgmma.wait_group 0 instead, ptxas moved most of them below the wait.) Costs a few
     // registers across the mainloop: no spills at the 168-register cap (ptxas -v).
-    const int n0 = u.n_tile * Cfg::kBN;
     auto block_ctx = [&](int s) {
-      const int m_block = u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64;
+      const int m_block = block_row(s);
       return epi::RowCtx{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
     };
     const epi::RowCtx ctx0 = block_ctx(0), ctx1 = block_ctx(1);
@@ -271,14 +320,24 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     // One 64-row block: its program copy, its rows, its accumulators (separate variables per block, not
     // arrays indexed by the block: with arrays the compiler kept some programs' per-row state in local
     // memory).
+    int tile_chunk = 0;  // chunks of this tile visited so far
     auto store_block = [&](Program& prog, const epi::RowCtx& ctx, const float(&a)[Cfg::kAcc]) {
       const int m_block = ctx.rows[0] - r0;
       if (m_block >= p.M) return;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        const int out_col0 = n0 * kExpand / kRatio + c * kOutCols;
+        const int out_col0 = out_col_first + c * kOutCols;
         if (out_col0 >= out_cols) break;
         uint8_t* buf = my_staging + (chunk_count++ & 1) * Cfg::kBlockBytes;
+        epi::RowCtx chunk_ctx = ctx;
+        if constexpr (kInputs > 0) {
+          const uint32_t b = inputs_used % kBuffers;
+          sm90::mbar_wait(&my_input_full[b], (inputs_used++ / kBuffers) & 1);
+          chunk_ctx.tiles = my_inputs + b * kInputs * Cfg::kBlockBytes;
+          chunk_ctx.tile_row0 = m_block;
+          chunk_ctx.tile_col0 = out_col0;
+          chunk_ctx.tile_row_bytes = kOutCols * 2;
+        }
         if (t == 0) sm90::bulk_wait_read<1>();  // the store that last read `buf` is done with it
         sm90::named_barrier(1 + cw, 128);
 #pragma unroll
@@ -288,7 +347,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[4 * j + 2 * h], a[4 * j + 2 * h + 1]}};
-            prog.visit(f, ctx);
+            prog.visit(f, chunk_ctx);
             stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) * kExpand / kRatio - c * kOutCols, f.v);
           }
         }
@@ -300,7 +359,10 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
           else
             sm90::tma_store_2d(map_d, buf, out_col0, m_block);
           sm90::bulk_commit();
+          // Every thread has visited this chunk: its input buffer takes the chunk kBuffers ahead.
+          if (kInputs > 0 && tile_chunk + kBuffers < tile_chunks) issue_inputs(tile_chunk + kBuffers);
         }
+        ++tile_chunk;
       }
       prog.end_rows(ctx, epi::QuadLanes{lane});
     };
@@ -313,26 +375,31 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
 template <class Cfg, class Program>
 __global__ void __launch_bounds__(384, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                const __grid_constant__ CUtensorMap map_d, const Params p, const Program program) {
+                const __grid_constant__ CUtensorMap map_d, const __grid_constant__ TileMaps tile_maps, const Params p,
+                const Program program) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);  // swizzle atoms
   uint8_t* ring = smem;
   uint8_t* staging = ring + Cfg::kStages * Cfg::kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + Cfg::kStagingBytes);
+  uint8_t* inputs = staging + Cfg::kStagingBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(inputs + Cfg::kInputBytes);
   uint64_t* empty = full + Cfg::kStages;
   uint64_t* turn = empty + Cfg::kStages;
+  uint64_t* input_full = turn + 2;  // [consumer][input buffer]
 
   const int warpgroup = threadIdx.x / 128, t = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     sm90::prefetch_tensor_map(&map_a);
     sm90::prefetch_tensor_map(&map_b);
     sm90::prefetch_tensor_map(&map_d);
+    for (int i = 0; i < Cfg::kTileInputs; ++i) sm90::prefetch_tensor_map(&tile_maps.map[i]);
     for (int s = 0; s < Cfg::kStages; ++s) {
       sm90::mbar_init(&full[s], 1);
       sm90::mbar_init(&empty[s], Cfg::kEmptyArrivals);
     }
     sm90::mbar_init(&turn[0], Cfg::kTurnArrivals);
     sm90::mbar_init(&turn[1], Cfg::kTurnArrivals);
+    for (int i = 0; i < 2 * Cfg::kInputBuffers; ++i) sm90::mbar_init(&input_full[i], 1);
     sm90::fence_barrier_init();
   }
   __syncthreads();
@@ -342,7 +409,8 @@ __global__ void __launch_bounds__(384, 1)
     if (t == 0) produce<Cfg>(&map_a, &map_b, p, ring, full, empty);
   } else {
     sm90::regs_claim<232>();
-    consume<Cfg>(warpgroup - 1, t, &map_d, p, program, ring, staging, full, empty, turn);
+    consume<Cfg>(warpgroup - 1, t, &map_d, tile_maps, p, program, ring, staging, inputs, full, empty, turn,
+                 input_full);
   }
 }
 

@@ -5,7 +5,8 @@
 // Programs that change the output width store N * kOutsPerCol / kColsPerOut output columns (N / 2 after a
 // 2->1 map, 2 N after a 1->2 map). Programs with
 // partial reductions must see whole tiles, so they never run split over K; accumulate = true adds the
-// program's output into D (TMA reduce-add).
+// program's output into D (TMA reduce-add). The program's tile inputs (collect_tiles) get tensor maps of
+// their own (bf16, 16-byte aligned, row stride a multiple of 8 elements).
 #pragma once
 #include <cuda.h>
 
@@ -23,13 +24,16 @@ namespace gemm_detail {
 
 struct Launch {
   CUtensorMap a, b, d;
+  TileMaps tiles;
   Params p;
   int grid;
 };
 
-// Validates the shape, builds the three tensor maps and the schedule (gemm.cu).
+// Validates the shape, builds the tensor maps (operands, output, the program's tile_inputs sources) and
+// the schedule (gemm.cu).
 Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D, const void* A,
-               const void* B, int M, int N, int K, bool accumulate, bool identity_program, cudaStream_t stream);
+               const void* B, int M, int N, int K, bool accumulate, bool identity_program,
+               const epi::TileSource* sources, int tile_inputs, cudaStream_t stream);
 
 template <class Cfg, class Program>
 void launch(const Launch& l, const Program& program, cudaStream_t stream) {
@@ -39,7 +43,7 @@ void launch(const Launch& l, const Program& program, cudaStream_t stream) {
     return true;
   }();
   (void)configured;
-  kernel<<<l.grid, 384, Cfg::kSmemBytes, stream>>>(l.a, l.b, l.d, l.p, program);
+  kernel<<<l.grid, 384, Cfg::kSmemBytes, stream>>>(l.a, l.b, l.d, l.tiles, l.p, program);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -63,12 +67,15 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
                                                         profile::type_name(typeid(Program).name())
                                                   : std::string(),
                                stream);
+  epi::TileSource sources[epi::kMaxTileInputs];
+  program.collect_tiles(sources);
   const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,
-                           A, B, M, N, K, accumulate, is_identity<Program>, stream);
+                           A, B, M, N, K, accumulate, is_identity<Program>, sources, Program::kTileInputs, stream);
+  constexpr int kInputs = Program::kTileInputs;
   if (tile == GemmTile::Cooperative128x256)
-    launch<Config<256, false, kAKMajor, kBKMajor, OutT>>(l, program, stream);
+    launch<Config<256, false, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
   else
-    launch<Config<128, true, kAKMajor, kBKMajor, OutT>>(l, program, stream);
+    launch<Config<128, true, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
 }
 
 }  // namespace coda
