@@ -183,7 +183,7 @@ void bench_mainloop(CublasLt& cublas) {
                                [&](int i) { run_ours(s, ops, i, GemmTile::Cooperative128x256); },
                                [&](int i) { run_ours(s, ops, i, GemmTile::PingPong128x128); }});
     const double t_cublas = tflops(s, ms[0]), t_coop = tflops(s, ms[1]), t_pp = tflops(s, ms[2]);
-    const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K);
+    const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K, false);
     const double t_auto = pick == GemmTile::Cooperative128x256 ? t_coop : t_pp;
     const double err = compare_with_cublas(s, ops, cublas);
     worst = std::min(worst, t_auto / t_cublas);
@@ -237,7 +237,7 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
                 gemm_tile_name(tiles[t]), ms[0], tflops(s, ms[0]), ms[1], tflops(s, ms[1]), overhead[t]);
     std::fflush(stdout);
   }
-  const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K);
+  const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K, true);
   std::printf("%-46s auto = %-9s overhead %+5.1f%%  (out cols %zu)\n", label, gemm_tile_name(pick),
               overhead[pick == GemmTile::Cooperative128x256 ? 0 : 1], out_cols);
   CUDA_CHECK(cudaFree(rstd));

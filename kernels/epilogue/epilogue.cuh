@@ -213,8 +213,9 @@ CODA_HD void store_values(T* p, int n, const float* x) {
       *p = x[0];
   } else {
     if (n == 4) {
-      p[0] = __float2bfloat16_rn(x[0]), p[1] = __float2bfloat16_rn(x[1]);
-      p[2] = __float2bfloat16_rn(x[2]), p[3] = __float2bfloat16_rn(x[3]);
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(x[0], x[1]), hi = __floats2bfloat162_rn(x[2], x[3]);
+      *reinterpret_cast<uint2*>(p) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
     } else if (n == 2) {
       *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x[0], x[1]);
     } else {

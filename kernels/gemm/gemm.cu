@@ -147,10 +147,16 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 
 }  // namespace gemm_detail
 
-// Measured (docs/GEMM.md): ping-pong wins where the epilogue is a noticeable share of a tile (K up to a
-// few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight gradients.
-GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K) {
+// Measured (docs/GEMM.md). Bare GEMMs: ping-pong wins where the epilogue is a noticeable share of a tile
+// (K up to a few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight
+// gradients. Programs (every CODA program of both trainers on both tiles, CODA_GEMM_TILE): the
+// cooperative tile wins by 4-30% everywhere except the narrow forward programs (the residual programs,
+// N = d_model <= 2048, K <= 4096), where ping-pong wins by 3-12%.
+GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K, bool program) {
   if (gemm_detail::forced_tile() != GemmTile::Auto) return gemm_detail::forced_tile();
+  if (program)
+    return layout == GemmLayout::Forward && N <= 2048 && K <= 4096 ? GemmTile::PingPong128x128
+                                                                   : GemmTile::Cooperative128x256;
   if (layout == GemmLayout::Wgrad || K >= 8192 || (N <= 1024 && K >= 2048)) return GemmTile::Cooperative128x256;
   return GemmTile::PingPong128x128;
 }
@@ -165,7 +171,7 @@ int gemm_tile_n(GemmTile tile) {
 }
 
 int gemm_row_partials(GemmLayout layout, int M, int N, int K) {
-  const int bn = gemm_tile_n(gemm_choose_tile(layout, M, N, K));
+  const int bn = gemm_tile_n(gemm_choose_tile(layout, M, N, K, true));
   return (N + bn - 1) / bn;
 }
 

@@ -17,14 +17,16 @@ namespace coda {
 
 enum class GemmLayout { Forward, Dgrad, Wgrad };
 
-// Cooperative128x256: both consumer warpgroups on one 128 x 256 tile (4-stage ring), for long K.
-// PingPong128x128: each consumer warpgroup its own 128 x 128 tile (6-stage ring), so epilogues hide
-// under the other warpgroup's MMAs; for short K and epilogue-heavy programs.
+// Cooperative128x256: both consumer warpgroups on one 128 x 256 tile (4-stage ring; 3 with tile inputs),
+// for long K and for nearly every program. PingPong128x128: each consumer warpgroup its own 128 x 128
+// tile (6-stage ring; 5 or 4 with tile inputs), so epilogues hide under the other warpgroup's MMAs; for
+// short-K bare GEMMs and the narrow forward programs (gemm_choose_tile).
 enum class GemmTile { Auto, Cooperative128x256, PingPong128x128 };
 
-GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K);
+// The tile Auto picks for a bare GEMM (program = false) or one with an epilogue program.
+GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, bool program);
 int gemm_tile_n(GemmTile tile);  // N tile width: row partials of a program come per tile_n columns
-// N tiles of the tile Auto picks for this shape: the count of a program's row partials ([M, count]).
+// N tiles of the tile Auto picks for a program of this shape: the count of its row partials ([M, count]).
 int gemm_row_partials(GemmLayout layout, int M, int N, int K);
 const char* gemm_tile_name(GemmTile tile);
 

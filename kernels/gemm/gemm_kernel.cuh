@@ -25,7 +25,9 @@
 //    swizzled like the staging buffer, into a small ring per consumer (2 chunk buffers, 1 where 2 would
 //    leave fewer than 3 stages; the ring of stages gives up what they need). Thread 0 of the consumer
 //    issues the tile's first chunks before its mainloop (they land under the MMAs) and each further one
-//    as soon as the chunk that last used its buffer is visited; each chunk has its own mbarrier.
+//    as soon as the chunk that last used its buffer is visited; each buffer has its own mbarrier. An
+//    input may be the output itself (d_residual, added to and stored in place): a chunk's input has
+//    landed before its store is issued, and no other chunk covers it.
 //  * schedule: work units are (tile, k range); CTA c takes units c, c + grid, ... Tiles come in grouped
 //    order (group_m tile rows sweep across N, so the CTAs in flight share A and B tiles in L2). Split-K
 //    (weight gradients: fp32 output, identity program, few output tiles over a long K): the units are

@@ -62,7 +62,7 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   static_assert(std::is_same_v<OutT, float> || std::is_same_v<OutT, __nv_bfloat16>, "bf16 or fp32 output");
   constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
   constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
-  if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K);
+  if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K, !is_identity<Program>);
   const profile::Region region(profile::enabled() ? gemm_profile_label(kLayout, tile, M, N, K) + " " +
                                                         profile::type_name(typeid(Program).name())
                                                   : std::string(),
