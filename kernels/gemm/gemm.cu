@@ -150,8 +150,8 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 // Measured (docs/GEMM.md). Bare GEMMs: ping-pong wins where the epilogue is a noticeable share of a tile
 // (K up to a few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight
 // gradients. Programs (every CODA program of both trainers on both tiles, CODA_GEMM_TILE): the
-// cooperative tile wins by 4-30% everywhere except the narrow forward programs (the residual programs,
-// N = d_model <= 2048, K <= 4096), where ping-pong wins by 3-12%.
+// cooperative tile wins by 2-30% everywhere except the narrow forward programs (the residual programs,
+// N = d_model <= 2048, K <= 4096), where ping-pong wins by 1-12%.
 GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K, bool program) {
   if (gemm_detail::forced_tile() != GemmTile::Auto) return gemm_detail::forced_tile();
   if (program)
