@@ -1,20 +1,20 @@
 // Column sums out[j] += sum_n x[n, j] of a bf16 matrix: the bias gradients (db = column sums of dY).
 //
-// The rows are cut into slabs of consecutive rows, one block per slab, so that a block streams one
-// contiguous stretch of memory. A block spans whole rows: a row lane of cols/8 threads (rounded up to
-// whole warps, at most 512: wider matrices get a second grid dimension of column tiles) owns 8 adjacent
-// columns per thread, and the block's row lanes take interleaved rows of the slab, 16 rows in flight per
-// thread, all their loads issued before any is added (past the slab's end a thread reloads its last row
-// and drops it, so no branch splits the loads). The row lanes' sums meet in shared memory in lane order,
-// each block writes its slab's partial row, and the last blocks to finish sum the partial rows in slab
-// order in the same launch (block_partials.cuh): bitwise reproducible, no float atomics. The grid is
-// exactly the blocks that fit on the device at once (one wave, and the in-kernel finish relies on it).
+// The grid is (column tiles of 256, row slabs). In a block, lane l of each of the 8 warps owns 8
+// adjacent columns (one 16-byte load per row) and the warps take interleaved rows of the slab, 16
+// rows in flight at a time, all their loads issued before any is added (past the slab's end a
+// lane reloads its last row and drops it, so no branch splits the loads); the warps' sums meet in shared
+// memory and the slab's partial row goes to the workspace. Then each block takes an integer ticket for its
+// column tile; the block that draws the last ticket sums the slabs' partials in slab order and adds them
+// to `out`. The float additions therefore happen in an order fixed by the launch shape alone: results are
+// bitwise reproducible. Slabs are sized so the grid is exactly the blocks that fit on the device at once:
+// one wave (a second, partial wave of a few blocks cost 15% at [N, 2304]), and the last block's serial work
+// stays short.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/cuda_check.cuh"
-#include "kernels/unfused/block_partials.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -22,52 +22,101 @@ namespace coda::unfused {
 
 namespace {
 
-constexpr int kMaxThreads = 512;   // per block
-constexpr int kRowsInFlight = 16;  // per thread (16 bytes each)
-constexpr int kMaxSlabs = 512;
+constexpr int kWarps = 8;
+constexpr int kTileCols = 256;  // 32 lanes x 8 columns
+constexpr int kMaxSlabs = 128;
+constexpr int kRowsInFlight = 16;  // per warp (16 bytes per lane each)
+constexpr int kSlabsInFlight = 8;  // per warp, when the last block sums the partials
 
-// partials: [slabs][cols]; blockIdx.x is the slab, blockIdx.y the column tile of tile_cols columns.
-__global__ void __launch_bounds__(kMaxThreads) column_sum_kernel(float* out, const bf16* x, int rows, int cols, int ld,
-                                                                 int lane_threads, int rows_per_slab, float* partials,
-                                                                 unsigned int* counters) {
-  __shared__ __align__(16) float lane_sums[kMaxThreads * 8];  // [lanes][tile columns]
-  const int lanes = blockDim.x / lane_threads, lane = threadIdx.x / lane_threads, t = threadIdx.x % lane_threads;
-  const int tile_cols = 8 * lane_threads, tile_begin = blockIdx.y * tile_cols;
-  const int tile_width = min(tile_cols, cols - tile_begin);
-  const int col = tile_begin + 8 * t;  // this thread's first column
-  const bool active = 8 * t < tile_width;
-  const int row_begin = blockIdx.x * rows_per_slab, row_end = min(rows, row_begin + rows_per_slab);
+// A lane's 8 partial sums of one slab (two 16-byte loads), kept as loaded until they are added.
+struct PartialPacket {
+  float4 a, b;
+  __device__ __forceinline__ void add_to(float (&acc)[8]) const {
+    acc[0] += a.x, acc[1] += a.y, acc[2] += a.z, acc[3] += a.w, acc[4] += b.x, acc[5] += b.y, acc[6] += b.z,
+        acc[7] += b.w;
+  }
+};
+
+// Each thread t of the block returns the sum over warps of column t of the per-warp values.
+__device__ __forceinline__ float sum_over_warps(float (&red)[kWarps][kTileCols], const float (&acc)[8]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  store_f32x8(&red[warp][lane * 8], acc);
+  __syncthreads();
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sum += red[w][threadIdx.x];
+  return sum;
+}
+
+__global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(float* out, const bf16* x, int rows, int cols, int ld,
+                                                                 int rows_per_slab, float* partials,
+                                                                 unsigned int* tickets) {
+  __shared__ __align__(16) float red[kWarps][kTileCols];
+  __shared__ bool last_block;
+  const int tile = blockIdx.x, slab = blockIdx.y, slabs = gridDim.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int col = tile * kTileCols + lane * 8;  // this lane's first column
+  const bool active = col < cols;
+  const int row_end = min(rows, (slab + 1) * rows_per_slab);
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (active)
-    for (int row = row_begin + lane; row < row_end; row += kRowsInFlight * lanes) {
+    for (int row = slab * rows_per_slab + warp; row < row_end; row += kRowsInFlight * kWarps) {
+      // Past the slab's end a lane reloads its last row (a cache hit) and drops it: no branch between the loads.
       uint4 v[kRowsInFlight];
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u)
-        v[u] = load_packet(x + static_cast<size_t>(min(row + u * lanes, row_end - 1)) * ld + col);
+        v[u] = load_packet(x + static_cast<size_t>(min(row + u * kWarps, row_end - 1)) * ld + col);
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u)
-        if (row + u * lanes < row_end) {
+        if (row + u * kWarps < row_end) {
           float f[8];
           unpack_bf16x8(f, v[u]);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[i] += f[i];
         }
     }
-  if (active) store_f32x8(lane_sums + lane * tile_width + 8 * t, acc);
-  __syncthreads();
-  for (int c = threadIdx.x; c < tile_width; c += blockDim.x) {
-    float sum = 0.0f;
-    for (int l = 0; l < lanes; ++l) sum += lane_sums[l * tile_width + c];
-    partials[static_cast<size_t>(blockIdx.x) * cols + tile_begin + c] = sum;
+  const int out_col = tile * kTileCols + threadIdx.x;  // the column this thread finishes
+  const float slab_sum = sum_over_warps(red, acc);
+  if (slabs == 1) {
+    if (out_col < cols) out[out_col] += slab_sum;
+    return;
   }
-  finish_block_partials(partials, gridDim.x, 1, cols, out, nullptr, counters, reinterpret_cast<float4*>(lane_sums));
+  if (out_col < cols) partials[static_cast<size_t>(slab) * cols + out_col] = slab_sum;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(&tickets[tile], 1u) == static_cast<unsigned int>(slabs - 1);
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+
+  // The partials of other blocks are read through L2 (__ldcg): this block's L1 never held them.
+  float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (active)
+    for (int s = warp; s < slabs; s += kSlabsInFlight * kWarps) {
+      PartialPacket v[kSlabsInFlight];
+#pragma unroll
+      for (int u = 0; u < kSlabsInFlight; ++u) {
+        const size_t slab_row = static_cast<size_t>(min(s + u * kWarps, slabs - 1));
+        const float4* p = reinterpret_cast<const float4*>(partials + slab_row * cols + col);
+        v[u].a = __ldcg(p), v[u].b = __ldcg(p + 1);
+      }
+#pragma unroll
+      for (int u = 0; u < kSlabsInFlight; ++u)
+        if (s + u * kWarps < slabs) v[u].add_to(total);
+    }
+  __syncthreads();  // every thread has read red[] of the first round
+  const float sum = sum_over_warps(red, total);
+  if (out_col < cols) out[out_col] += sum;
+  if (threadIdx.x == 0) tickets[tile] = 0u;
 }
 
 }  // namespace
 
 size_t column_sum_partials_floats(int max_cols) { return static_cast<size_t>(kMaxSlabs) * max_cols; }
-size_t column_sum_tickets(int) { return 2; }
+size_t column_sum_tickets(int max_cols) {
+  return static_cast<size_t>(std::max(2, (max_cols + kTileCols - 1) / kTileCols));
+}
 
 void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const ColumnSumWorkspace& ws,
                 cudaStream_t stream) {
@@ -76,17 +125,15 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
                                 ") must be multiples of 8 with cols <= ld and cols <= the workspace's " +
                                 std::to_string(ws.max_cols));
   if (rows <= 0) return;
-  const int lane_threads = std::min(kMaxThreads, (cols / 8 + 31) / 32 * 32);
-  const int lanes = kMaxThreads / lane_threads, threads = lanes * lane_threads;
-  const int tiles = (cols + 8 * lane_threads - 1) / (8 * lane_threads);
+  const int tiles = (cols + kTileCols - 1) / kTileCols;
   int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_kernel, threads, 0));
-  const int slabs_wanted = std::max(1, std::min({std::max(1, per_sm) * sm_count() / tiles, kMaxSlabs,
-                                                 (rows + lanes - 1) / lanes}));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_kernel, kWarps * 32, 0));
+  const int target_slabs = std::max(1, std::max(1, per_sm) * sm_count() / tiles);
+  const int slabs_wanted = std::max(1, std::min({target_slabs, rows / (kRowsInFlight * kWarps), kMaxSlabs}));
   const int rows_per_slab = (rows + slabs_wanted - 1) / slabs_wanted;
   const int slabs = (rows + rows_per_slab - 1) / rows_per_slab;
-  column_sum_kernel<<<dim3(slabs, tiles), threads, 0, stream>>>(out, x, rows, cols, ld, lane_threads, rows_per_slab,
-                                                                ws.partials, ws.tickets);
+  column_sum_kernel<<<dim3(tiles, slabs), kWarps * 32, 0, stream>>>(out, x, rows, cols, ld, rows_per_slab, ws.partials,
+                                                                    ws.tickets);
   CUDA_CHECK_LAUNCH();
 }
 

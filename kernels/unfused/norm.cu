@@ -20,8 +20,9 @@
 // (a named barrier, not __syncthreads, so the groups of a block never wait for each other) shows that
 // every thread has read it. So the bytes in flight no longer cost registers: about 14 KB per 768-wide
 // group, 36 KB per 2048-wide group, while each thread holds only its dw/db columns and one row's packets.
-// At the end each block writes one partial row of dw (and db), which the last blocks to finish sum in a
-// fixed order in the same launch (block_partials.cuh).
+// At the end each block writes one partial row of dw (and db); the last blocks to take a ticket (an
+// integer counter) wait until every block has one, then each sums slices of 32 partial columns over the
+// blocks in block order: deterministic, and no second launch.
 // Measured (bench_unfused_kernels, b2b, % of 4.2 TB/s): the register-prefetching version 72% (GPT-2) /
 // 77% (Llama) -> ring 84.7% / 88.6%; the in-kernel finish is worth 2.5-3 us against a column_sum launch;
 // 2, 3 or 4 slots are within 2%; fewer row groups per block are slower (GPT-2: 4 groups 82%, 2 groups 80%,
@@ -33,7 +34,6 @@
 
 #include "kernels/cuda_check.cuh"
 #include "kernels/sm90/sm90.cuh"
-#include "kernels/unfused/block_partials.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -135,7 +135,8 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
 // the group owns packet t (columns 8t .. 8t + 7). Each group has a ring of kStages row slots in dynamic
 // shared memory ([kStages][dy, x, dres][C] bf16); thread 0 of the group refills a slot with the row kStages
 // rows ahead once the group's barrier shows that every thread has read it. partials: [kStats][gridDim.x][C];
-// counters: two unsigned ints, zero at entry and left zero (finish_block_partials).
+// counters: two unsigned ints, zero at entry and left zero. The grid never exceeds the blocks that fit at
+// once, so a finishing block that waits never keeps a block it waits for from starting.
 template <bool kLayerNorm, int kStages>
 __global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* dx, float* partials, float* dw_out,
                                                                          float* db_out, unsigned int* counters,
@@ -146,6 +147,7 @@ __global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* d
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kMaxGroups][kStages];
   __shared__ float2 warp_sums[kStages][kBackwardThreads / 32];  // by slot: rewritten kStages rounds later
+  __shared__ unsigned int ticket;
   const int groups = blockDim.x / group_threads, group = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_group = group_threads / 32;
   const int all_groups = gridDim.x * groups, first = blockIdx.x * groups + group;
@@ -252,7 +254,48 @@ __global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* d
     for (int g = 0; g < groups; ++g) sum += column_sums[static_cast<size_t>(stat * groups + g) * C + col];
     partials[(static_cast<size_t>(stat) * gridDim.x + blockIdx.x) * C + col] = sum;
   }
-  finish_block_partials(partials, gridDim.x, kStats, C, dw_out, db_out, counters, reinterpret_cast<float4*>(smem));
+  // The last `finishers` blocks to take a ticket each sum slices of 32 partial columns over all blocks,
+  // once every block has taken one. The summation order depends on the launch shape only.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicAdd(&counters[0], 1u);
+  __syncthreads();
+  const int slices = (kStats * C + 31) / 32, finishers = min(static_cast<int>(gridDim.x), slices);
+  const int finisher = static_cast<int>(ticket) - (static_cast<int>(gridDim.x) - finishers);
+  if (finisher < 0) return;
+  if (threadIdx.x == 0)
+    while (*reinterpret_cast<volatile unsigned int*>(&counters[0]) < gridDim.x) __nanosleep(64);
+  __syncthreads();
+  __threadfence();
+  float4* lane_sums = reinterpret_cast<float4*>(smem);  // [blockDim.x / 8][8]
+  const int q = threadIdx.x % 8, part = threadIdx.x / 8, parts = blockDim.x / 8;
+  for (int slice = finisher; slice < slices; slice += finishers) {
+    const int c = slice * 32 + 4 * q, stat = c / C, col = c % C;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (c < kStats * C)
+#pragma unroll 4
+      for (int b = part; b < static_cast<int>(gridDim.x); b += parts) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(
+            partials + (static_cast<size_t>(stat) * gridDim.x + b) * C + col));
+        acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+      }
+    lane_sums[part * 8 + q] = acc;
+    __syncthreads();
+    if (part == 0 && c < kStats * C) {
+      float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int p = 0; p < parts; ++p) {
+        const float4 v = lane_sums[p * 8 + q];
+        total.x += v.x, total.y += v.y, total.z += v.z, total.w += v.w;
+      }
+      float* out = (stat == 0 ? dw_out : db_out) + col;
+      out[0] += total.x, out[1] += total.y, out[2] += total.z, out[3] += total.w;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && atomicAdd(&counters[1], 1u) == static_cast<unsigned int>(finishers - 1)) {
+    counters[0] = 0u;
+    counters[1] = 0u;
+  }
 }
 
 template <bool kLayerNorm>

@@ -23,12 +23,12 @@ using bf16 = __nv_bfloat16;
 
 // ---- column sums (bias gradients; column_sum.cu) -------------------------------------------------------
 // out[j] += sum over n < rows of x[n * ld + j], for j < cols. One launch: blocks write fp32 partials of
-// their slab of rows to the workspace; the last blocks to finish sum them in slab order (integer tickets,
-// not float atomics), so the result is deterministic.
+// their row slab to the workspace; the last block of each column tile to finish (an integer ticket, not a
+// float atomic) sums the partials in slab order, so the result is deterministic.
 struct ColumnSumWorkspace {
   float* partials = nullptr;          // column_sum_partials_floats(max_cols)
-  unsigned int* tickets = nullptr;    // column_sum_tickets(max_cols) counters, zeroed once; every launch that
-                                      // uses them (column_sum, the norm backwards) leaves them zero
+  unsigned int* tickets = nullptr;    // column_sum_tickets(max_cols) (at least 2: the norm backwards' counters),
+                                      // zeroed once; each launch leaves it zero
   int max_cols = 0;                   // the widest matrix it serves
 };
 size_t column_sum_partials_floats(int max_cols);
@@ -65,7 +65,7 @@ void rmsnorm_forward(bf16* y, float* rstd, const bf16* x, const bf16* w, int N, 
 // dx = (accumulate ? dx : 0) + d(norm)/dx applied to dy (the residual-gradient accumulation of the
 // backward pass); dw += sum over rows of dy * xhat, db += sum of dy. The per-block dw/db partials go to
 // `partials` (norm_backward_partials_floats(C) floats) and are finished in the same launch, in a fixed
-// order; it uses ws.tickets as column_sum does.
+// order; ws.tickets[0..1] serve as its counters (left zero, like column_sum leaves them).
 size_t norm_backward_partials_floats(int C);
 void layernorm_backward(bf16* dx, float* dw, float* db, const bf16* dy, const bf16* x, const bf16* w,
                         const float* mean, const float* rstd, int N, int C, bool accumulate, float* partials,
