@@ -61,10 +61,10 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
   if (warmup < 0) throw std::invalid_argument("warmup must be >= 0");
   config.validate();
   const ModelConfig& model = config.model;
-  const int B = config.batch_size, T = config.seq_len, A = config.grad_accum;
   const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
   if (config.zero1 && comm == nullptr) throw std::invalid_argument("bench: zero1 = true needs a communicator");
-  const BatchPlan plan = plan_batch(world_size, B, T, A);
+  const BatchPlan plan = batch_plan(config, world_size);
+  const int B = plan.micro_batch, T = plan.seq_len, A = plan.grad_accum;
   const ParamLayout layout = make_param_layout(model);
   std::vector<float> params(layout.total);
   init_params(model, layout, config.seed, params.data());

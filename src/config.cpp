@@ -114,6 +114,10 @@ void RunConfig::validate() const {
   require(seq_len <= model.max_seq_len, "seq_len (" + std::to_string(seq_len) + ") must be <= max_seq_len (" +
                                             std::to_string(model.max_seq_len) + ")");
   require(grad_accum >= 1, "grad_accum must be >= 1");
+  require(global_batch >= 0, "global_batch must be >= 0 (0: ranks x batch_size x grad_accum)");
+  require(global_batch == 0 || grad_accum == 1,
+          "set global_batch or grad_accum, not both (global_batch = " + std::to_string(global_batch) +
+              " derives grad_accum from the number of ranks; grad_accum = " + std::to_string(grad_accum) + ")");
   require(steps >= 1, "steps must be >= 1");
   require(lr > 0.0f, "lr must be > 0");
   require(min_lr_ratio >= 0.0f && min_lr_ratio <= 1.0f, "min_lr_ratio must be in [0, 1]");
@@ -179,6 +183,8 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("data", "batch_size", c.batch_size, "sequences per micro-batch");
   key("data", "seq_len", c.seq_len, "tokens per sequence");
   key("data", "grad_accum", c.grad_accum, "micro-batches per optimizer step");
+  key("data", "global_batch", c.global_batch,
+      "sequences per optimizer step over all GPUs (0: off); grad_accum = global_batch / (GPUs x batch_size)");
 
   key("optim", "steps", c.steps, "optimizer steps");
   key("optim", "lr", c.lr, "peak learning rate");

@@ -26,6 +26,9 @@ struct RunConfig {
   int batch_size = 8;    // sequences per micro-batch (per GPU)
   int seq_len = 64;
   int grad_accum = 1;    // micro-batches per optimizer step
+  int global_batch = 0;  // sequences per optimizer step over all ranks; 0: ranks x batch_size x grad_accum.
+                         // Set, it fixes the step whatever the number of GPUs: grad_accum follows from it
+                         // (batch_plan in train.hpp) and must be left at 1.
 
   // [optim]
   int steps = 200;

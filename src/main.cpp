@@ -61,6 +61,7 @@ void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunC
                        {"memory_gib", r.memory_gib}, {"speedup_vs_first", speedup}, {"world_size", world_size},
                        {"zero1", config.zero1}, {"gradient_all_reduce_ms", all_reduce_ms},
                        {"batch_size", config.batch_size}, {"seq_len", config.seq_len}, {"grad_accum", config.grad_accum},
+                       {"global_batch", config.global_batch},
                        {"arch", coda::arch_name(config.model.arch)}, {"n_layer", config.model.n_layer},
                        {"d_model", config.model.d_model}});
   }

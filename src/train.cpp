@@ -206,6 +206,12 @@ void require_data_parallel_device(const RunConfig& config, int world_size) {
                                 " ranks trains on GPUs only, one per rank; use --device cuda");
 }
 
+BatchPlan batch_plan(const RunConfig& config, int world_size) {
+  if (config.global_batch > 0)
+    return plan_batch_for_global(world_size, config.batch_size, config.seq_len, config.global_batch);
+  return plan_batch(world_size, config.batch_size, config.seq_len, config.grad_accum);
+}
+
 TrainResult train(const RunConfig& config, Communicator* comm) {
   config.validate();
   const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
@@ -214,8 +220,8 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
   if (config.zero1 && comm == nullptr)
     throw std::invalid_argument("zero1 = true needs a communicator, also on one rank (coda train makes one)");
   const ModelConfig& model = config.model;
-  const int B = config.batch_size, T = config.seq_len, A = config.grad_accum;
-  const BatchPlan plan = plan_batch(world_size, B, T, A);
+  const BatchPlan plan = batch_plan(config, world_size);
+  const int B = plan.micro_batch, T = plan.seq_len, A = plan.grad_accum;
 
   Checkpoint resumed;
   std::string resume_dir;

@@ -9,6 +9,7 @@
 
 #include "backend.hpp"
 #include "config.hpp"
+#include "dist_plan.hpp"
 
 namespace coda {
 
@@ -33,6 +34,11 @@ std::string find_checkpoint(const std::string& path);
 // Data parallelism and ZeRO-1 train on GPUs only: throws std::invalid_argument naming the device key when
 // world_size > 1 or config.zero1, and config.device does not resolve to the cuda backend.
 void require_data_parallel_device(const RunConfig& config, int world_size);
+
+// The batch of one optimizer step on world_size ranks: ranks x batch_size x grad_accum, or, with
+// global_batch set, the grad_accum that makes it global_batch (std::invalid_argument with the numbers
+// when ranks x batch_size does not divide it).
+BatchPlan batch_plan(const RunConfig& config, int world_size);
 
 struct TrainResult {
   int step = 0;             // optimizer steps completed

@@ -63,6 +63,7 @@ coda::RunConfig random_config(uint64_t seed) {
   c.batch_size = 1 + static_cast<int>(rng.below(64));
   c.seq_len = 1 + static_cast<int>(rng.below(512));
   c.grad_accum = 1 + static_cast<int>(rng.below(8));
+  c.global_batch = c.grad_accum == 1 ? static_cast<int>(rng.below(3)) * 256 : 0;  // one or the other
   c.steps = 1 + static_cast<int>(rng.below(100000));
   c.lr = static_cast<float>(rng.uniform() * 1e-2);
   c.min_lr_ratio = static_cast<float>(rng.uniform());
@@ -101,6 +102,7 @@ void expect_same(const coda::RunConfig& a, const coda::RunConfig& b) {
   EXPECT_EQ(a.batch_size, b.batch_size);
   EXPECT_EQ(a.seq_len, b.seq_len);
   EXPECT_EQ(a.grad_accum, b.grad_accum);
+  EXPECT_EQ(a.global_batch, b.global_batch);
   EXPECT_EQ(a.steps, b.steps);
   EXPECT_EQ(a.lr, b.lr);
   EXPECT_EQ(a.min_lr_ratio, b.min_lr_ratio);
@@ -238,6 +240,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"HeadsDoNotDivideWidth", "[model]\nd_model = 66\nn_head = 4\n", "", "d_model (66) must be divisible by n_head (4)"},
         BadInput{"SeqLenBeyondModel", "[data]\nseq_len = 512\n[model]\nmax_seq_len = 256\n", "", "seq_len (512)"},
         BadInput{"NegativeLr", "[optim]\nlr = -0.1\n", "", "lr must be > 0"},
+        BadInput{"GlobalBatchAndGradAccum", "[data]\nglobal_batch = 64\ngrad_accum = 2\n", "",
+                 "set global_batch or grad_accum, not both"},
+        BadInput{"GlobalBatchNotAMultiple", "[data]\nglobal_batch = 10\nbatch_size = 4\n", "",
+                 "a global batch of 10 sequences cannot be split over 1 ranks x batch_size 4"},
         BadInput{"BadKernels", "[run]\nkernels = \"fast\"\n", "", "kernels"},
         BadInput{"BadDevice", "", "--device tpu", "device"},
         BadInput{"FileErrorsNameTheFile", "[model]\nbogus = 1\n", "", "bad.toml"},

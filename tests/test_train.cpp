@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -224,6 +225,31 @@ TEST_F(Training, ResumeWithAnotherGlobalBatchContinuesTheDataStream) {
   EXPECT_EQ(position.at("global_batch").get<int>(), 4);
   EXPECT_EQ(position.at("epoch"), whole_position.at("epoch"));
   EXPECT_EQ(position.at("batch").get<int>(), 2 * whole_position.at("batch").get<int>()) << "the same windows were read";
+}
+
+// global_batch = 8 over batch_size 4 on one process is grad_accum 2: the same run, and the saved
+// config keeps global_batch (not the derived grad_accum), so it resumes on any number of GPUs.
+TEST_F(Training, GlobalBatchDerivesGradAccum) {
+  coda::RunConfig accum = tiny(coda::Arch::GPT2, "accum_4x2");
+  accum.batch_size = 4;
+  accum.grad_accum = 2;
+  accum.steps = 4;
+  accum.val_every = 0;
+  coda::train(accum);
+  coda::RunConfig global = accum;
+  global.grad_accum = 1;
+  global.global_batch = 8;
+  global.out = *root_ / "global_8";
+  coda::train(global);
+  EXPECT_EQ(losses(global.out), losses(accum.out));
+  std::ifstream file(fs::path(global.out) / "config.toml");
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const coda::RunConfig saved = coda::parse_config_text(text, "config.toml");
+  EXPECT_EQ(saved.global_batch, 8);
+  EXPECT_EQ(saved.grad_accum, 1);
+  EXPECT_EQ(coda::batch_plan(global, 2).grad_accum, 1);
+  EXPECT_EQ(coda::batch_plan(global, 1).grad_accum, 2);
+  EXPECT_THROW(coda::batch_plan(global, 4), std::invalid_argument) << "4 ranks x 4 sequences exceed 8";
 }
 
 TEST_F(Training, RefusesToOverwriteARunOrResumeADifferentModel) {
