@@ -3,11 +3,9 @@
 // tokens), forward / dgrad / wgrad (fp32 accumulate). Then the cost of CODA epilogue programs over the
 // bare mainloop of the same shape (bench_epilogues).
 //
-// Method: random inputs; several input sets rotated so the timed runs cannot live in L2 (>= 150 MB of
-// operands in the rotation); 5 warm-up rounds; CUDA events around each of 25 runs; the median. The
-// contenders of a shape run interleaved, run by run, so all of them see the same clocks (under
-// sustained load the card sits at its power cap and the SM clock drops: timing contenders one after
-// the other favoured whoever ran first by up to 20%). Each shape also compares our output with
+// Method (tests/bench_util.cuh): random inputs; several input sets rotated so the timed runs cannot live in
+// L2 (>= 150 MB of operands in the rotation); 5 warm-up rounds; CUDA events around each of 25 runs; the
+// median; the contenders of a shape interleaved run by run. Each shape also compares our output with
 // cuBLAS's (relative error), so a fast wrong kernel cannot pass unnoticed.
 // Usage: bench_gemm [--quick] [--epilogues]   (--quick: 10 timed runs; --epilogues: only the programs)
 #include <algorithm>
@@ -19,6 +17,7 @@
 
 #include "kernels/gemm/cublaslt.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
+#include "tests/bench_util.cuh"
 #include "tests/gemm_reference.cuh"
 
 namespace {
@@ -56,32 +55,6 @@ std::vector<Shape> model_shapes() {
   return s;
 }
 
-// Median time in ms of each contender; contender j's run i is run(j)(i), interleaved by i.
-std::vector<double> median_ms(const std::vector<std::function<void(int)>>& runs) {
-  const int n = static_cast<int>(runs.size());
-  for (int i = 0; i < 5; ++i)
-    for (const auto& run : runs) run(i);
-  std::vector<cudaEvent_t> ev(2 * g_timed_runs * n);
-  for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
-  for (int i = 0; i < g_timed_runs; ++i)
-    for (int j = 0; j < n; ++j) {
-      CUDA_CHECK(cudaEventRecord(ev[2 * (i * n + j)]));
-      runs[j](i);
-      CUDA_CHECK(cudaEventRecord(ev[2 * (i * n + j) + 1]));
-    }
-  CUDA_CHECK(cudaEventSynchronize(ev.back()));
-  std::vector<double> medians(n);
-  for (int j = 0; j < n; ++j) {
-    std::vector<float> ms(g_timed_runs);
-    for (int i = 0; i < g_timed_runs; ++i)
-      CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[2 * (i * n + j)], ev[2 * (i * n + j) + 1]));
-    std::nth_element(ms.begin(), ms.begin() + g_timed_runs / 2, ms.end());
-    medians[j] = ms[g_timed_runs / 2];
-  }
-  for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
-  return medians;
-}
-
 // Device memory for one shape: `sets` rotated copies of A and B, two outputs (ours, cuBLAS).
 struct Operands {
   int sets = 1;
@@ -93,8 +66,7 @@ struct Operands {
     a_elems = size_t(s.M) * s.K;
     b_elems = size_t(s.K) * s.N;
     d_elems = size_t(s.M) * s.N;
-    const size_t set_bytes = (a_elems + b_elems) * 2;
-    sets = static_cast<int>(std::min<size_t>(8, std::max<size_t>(1, (150u << 20) / set_bytes + 1)));
+    sets = bench::rotation_sets((a_elems + b_elems) * 2);
     for (int i = 0; i < sets; ++i) {
       __nv_bfloat16 *a, *b;
       CUDA_CHECK(cudaMalloc(&a, a_elems * 2));
@@ -179,7 +151,7 @@ void bench_mainloop(CublasLt& cublas) {
   double worst = 1e9;
   for (const Shape& s : model_shapes()) {
     Operands ops(s, s.layout == GemmLayout::Wgrad ? 4 : 2);
-    const auto ms = median_ms({[&](int i) { run_cublas(s, ops, i, cublas); },
+    const auto ms = bench::median_ms(g_timed_runs, {[&](int i) { run_cublas(s, ops, i, cublas); },
                                [&](int i) { run_ours(s, ops, i, GemmTile::Cooperative128x256); },
                                [&](int i) { run_ours(s, ops, i, GemmTile::PingPong128x128); }});
     const double t_cublas = tflops(s, ms[0]), t_coop = tflops(s, ms[1]), t_pp = tflops(s, ms[2]);
@@ -226,7 +198,7 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
   double overhead[2] = {0.0, 0.0};
   const GemmTile tiles[2] = {GemmTile::Cooperative128x256, GemmTile::PingPong128x128};
   for (int t = 0; t < 2; ++t) {
-    const auto ms = median_ms({[&](int i) { run_ours(s, ops, i, tiles[t]); },
+    const auto ms = bench::median_ms(g_timed_runs, {[&](int i) { run_ours(s, ops, i, tiles[t]); },
                                [&](int i) {
                                  const int k = i % ops.sets;
                                  gemm_run<kLayout>(tiles[t], out, ops.A[k], ops.B[k], s.M, s.N, s.K, false, program,
