@@ -29,17 +29,9 @@
 namespace {
 
 namespace fused = coda::fused;
-using coda::test::DeviceBuffer;
-using coda::test::DeviceCopy;
-using coda::test::OutputBuffer;
-using coda::test::random_ids;
-using coda::test::random_values;
-using coda::test::round_bf16;
-using coda::test::rel_error;
+using namespace coda::test;
 using fused::bf16;
 
-constexpr double kBf16Tol = 1e-2;
-constexpr double kFp32Tol = 1e-4;
 constexpr double kExactTol = 1e-6;
 
 // ---- embedding_forward ---------------------------------------------------------------------------------

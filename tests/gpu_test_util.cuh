@@ -119,4 +119,9 @@ inline double rel_error(const std::vector<float>& gpu, const std::vector<float>&
   return std::sqrt(diff / (norm > 0 ? norm : static_cast<double>(count)));
 }
 
+// rel_error limits of a kernel against the fp32 CPU reference: outputs stored in bf16 (about 2^-8 per
+// value, with room for the inputs' own rounding), and fp32 outputs (reduction order only).
+constexpr double kBf16Tol = 1e-2;
+constexpr double kFp32Tol = 1e-4;
+
 }  // namespace coda::test

@@ -24,17 +24,8 @@
 namespace {
 
 namespace uf = coda::unfused;
-using coda::test::DeviceBuffer;
-using coda::test::DeviceCopy;
-using coda::test::OutputBuffer;
-using coda::test::random_ids;
-using coda::test::random_values;
-using coda::test::round_bf16;
-using coda::test::rel_error;
+using namespace coda::test;
 using uf::bf16;
-
-constexpr double kBf16Tol = 1e-2;
-constexpr double kFp32Tol = 1e-4;
 
 struct ColumnSums {
   explicit ColumnSums(int max_cols)
