@@ -12,27 +12,8 @@
 
 #include "kernels/attention/attention.cuh"
 #include "kernels/cuda_check.cuh"
+#include "tests/bench_util.cuh"
 
-namespace {
-
-template <typename F>
-float median_ms(F&& launch, cudaEvent_t start, cudaEvent_t stop) {
-  for (int i = 0; i < 3; ++i) launch();
-  std::vector<float> ms;
-  for (int i = 0; i < 20; ++i) {
-    CUDA_CHECK(cudaEventRecord(start));
-    launch();
-    CUDA_CHECK(cudaEventRecord(stop));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-}  // namespace
 
 int main() {
   struct Model {
@@ -44,9 +25,6 @@ int main() {
                           {"hd64 32/8 heads (llama 1B)", 32, 8, 64},
                           {"hd64 12/12 heads (gpt2 124M)", 12, 12, 64}};
   const int tokens = 16384;
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.f, 1.f);
 
@@ -70,9 +48,10 @@ int main() {
       CUDA_CHECK(cudaMemcpy(qkv, host.data(), qkv_n * 2, cudaMemcpyHostToDevice));
       CUDA_CHECK(cudaMemcpy(dout, host.data(), out_n * 2, cudaMemcpyHostToDevice));
 
-      const float fwd_ms = median_ms([&] { coda::attention_forward(out, lse, qkv, s, nullptr); }, start, stop);
-      const float bwd_ms =
-          median_ms([&] { coda::attention_backward(dqkv, dout, qkv, out, lse, work, s, nullptr); }, start, stop);
+      const double fwd_ms =
+          coda::bench::median_ms_each([&](int) { coda::attention_forward(out, lse, qkv, s, nullptr); }, 20, 3);
+      const double bwd_ms = coda::bench::median_ms_each(
+          [&](int) { coda::attention_backward(dqkv, dout, qkv, out, lse, work, s, nullptr); }, 20, 3);
       const double fwd_flops = 4.0 * T * T * s.head_dim * s.n_head * s.B / 2;
       std::printf("%-30s %6d %4d %10.3f %10.1f %10.3f %10.1f\n", m.name, T, s.B, fwd_ms, fwd_flops / fwd_ms * 1e-9,
                   bwd_ms, 2.5 * fwd_flops / bwd_ms * 1e-9);

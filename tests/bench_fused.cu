@@ -15,6 +15,7 @@
 #include "kernels/coda/fused.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
+#include "tests/bench_util.cuh"
 
 namespace {
 
@@ -64,38 +65,15 @@ class Pool {
   std::vector<void*> blocks_;
 };
 
-// Median milliseconds of one launch after an L2 flush.
-double time_ms(const std::function<void()>& launch, void* flush, size_t flush_bytes) {
-  cudaEvent_t start, stop;
-  CUDA_CHECK(cudaEventCreate(&start));
-  CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < 3 + 15; ++i) {
-    CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-    CUDA_CHECK(cudaEventRecord(start));
-    launch();
-    CUDA_CHECK(cudaEventRecord(stop));
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float elapsed = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
-    if (i >= 3) ms.push_back(elapsed);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
-  return ms[ms.size() / 2];
-}
-
 }  // namespace
 
 int main() {
   const int N = 32768, C = 768, vocab = 50257, Vp = 50304, F = 4 * C;
   const size_t NV = static_cast<size_t>(N) * Vp;
   Pool pool;
-  const size_t flush_bytes = size_t{512} << 20;
-  void* flush = pool.zeros<char>(flush_bytes);
+  const coda::bench::L2Flush flush;
   auto report = [&](const char* name, double bytes, const std::function<void()>& launch) {
-    const double ms = time_ms(launch, flush, flush_bytes);
+    const double ms = coda::bench::median_ms_each([&](int) { launch(); }, 15, 3, std::cref(flush));
     std::printf("%-44s %9.1f us %8.0f GB/s\n", name, ms * 1e3, bytes / (ms * 1e-3) / 1e9);
   };
 

@@ -26,6 +26,7 @@
 #include "kernels/unfused/unfused.cuh"
 #include "model.hpp"
 #include "rng.hpp"
+#include "tests/bench_util.cuh"
 
 namespace {
 
@@ -89,51 +90,18 @@ class Pool {
 // Copies of an input, enough that rotating over them defeats the L2 (at least 200 MB in all, at most 4).
 int input_sets(double input_bytes) { return std::max(1, std::min(4, static_cast<int>(std::ceil(200e6 / input_bytes)))); }
 
-struct Timer {
-  Timer() {
-    CUDA_CHECK(cudaEventCreate(&start));
-    CUDA_CHECK(cudaEventCreate(&stop));
-    CUDA_CHECK(cudaMalloc(&flush, kFlushBytes));
-  }
-  ~Timer() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    cudaFree(flush);
-  }
-  double elapsed_ms() {
-    CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return ms;
-  }
-  static double median(std::vector<double> v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  }
-  // Median milliseconds of one launch, isolated (after an L2 flush) and back-to-back.
-  std::pair<double, double> measure(const std::function<void(int)>& launch, int sets) {
-    std::vector<double> isolated, back_to_back;
-    for (int i = 0; i < 3 + 15; ++i) {
-      CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes));
-      CUDA_CHECK(cudaEventRecord(start));
-      launch(i % sets);
-      CUDA_CHECK(cudaEventRecord(stop));
-      if (i >= 3) isolated.push_back(elapsed_ms());
-    }
-    for (int i = 0; i < 2 + 5; ++i) {
-      CUDA_CHECK(cudaMemsetAsync(flush, i & 0xff, kFlushBytes));
-      CUDA_CHECK(cudaEventRecord(start));
-      for (int r = 0; r < kBackToBack; ++r) launch(r % sets);
-      CUDA_CHECK(cudaEventRecord(stop));
-      if (i >= 2) back_to_back.push_back(elapsed_ms() / kBackToBack);
-    }
-    return {median(isolated), median(back_to_back)};
-  }
-  static constexpr size_t kFlushBytes = size_t{512} << 20;
-  static constexpr int kBackToBack = 12;
-  cudaEvent_t start, stop;
-  void* flush = nullptr;
-};
+// Median milliseconds of one launch, isolated (after an L2 flush) and back-to-back.
+std::pair<double, double> measure(const std::function<void(int)>& launch, int sets) {
+  static const coda::bench::L2Flush flush;
+  constexpr int kBackToBack = 12;
+  const double isolated = coda::bench::median_ms_each([&](int i) { launch(i % sets); }, 15, 3, std::cref(flush));
+  const double back_to_back = coda::bench::median_ms_each(
+      [&](int) {
+        for (int r = 0; r < kBackToBack; ++r) launch(r % sets);
+      },
+      5, 2, std::cref(flush));
+  return {isolated, back_to_back / kBackToBack};
+}
 
 struct Row {
   std::string model, kernel;
@@ -145,10 +113,10 @@ std::string kernel_filter;  // only kernels whose name contains it (empty: all)
 
 double percent(double bytes, double ms) { return 100.0 * bytes / (ms * 1e-3) / kAnchorBytesPerSecond; }
 
-void report(Timer& timer, const std::string& model, const std::string& kernel, double bytes, int sets,
+void report(const std::string& model, const std::string& kernel, double bytes, int sets,
             const std::function<void(int)>& launch) {
   if (model != "device" && kernel.find(kernel_filter) == std::string::npos) return;
-  const auto [isolated, ms] = timer.measure(launch, sets);
+  const auto [isolated, ms] = measure(launch, sets);
   rows.push_back({model, kernel, bytes, isolated, ms});
   std::printf("%-6s %-36s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%   isolated %9.1f us %6.1f%%\n", model.c_str(),
               kernel.c_str(), bytes / 1e6, ms * 1e3, bytes / ms / 1e6, percent(bytes, ms), isolated * 1e3,
@@ -156,7 +124,7 @@ void report(Timer& timer, const std::string& model, const std::string& kernel, d
   std::fflush(stdout);
 }
 
-void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig& c, int B, int T) {
+void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int T) {
   Pool pool;
   const bool gpt2 = c.arch == coda::Arch::GPT2;
   const int N = B * T, C = c.d_model, F = c.d_ff, U = c.mlp_up_rows(), Q = c.qkv_dim(), V = c.vocab_size,
@@ -192,12 +160,12 @@ void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig&
   bf16* wpe = gpt2 ? pool.random<bf16>(static_cast<size_t>(T) * C, 0.02f) : nullptr;
   bf16* x = pool.alloc<bf16>(NC);
   const double pos_bytes = gpt2 ? static_cast<double>(T) * C * 2 : 0.0;
-  report(timer, name, "embedding_forward", 4.0 * N + 2.0 * NC * 2 + pos_bytes, token_sets,
+  report(name, "embedding_forward", 4.0 * N + 2.0 * NC * 2 + pos_bytes, token_sets,
          [&](int s) { uf::embedding_forward(x, d_tokens[s], wte, wpe, B, T, C, 0); });
   float* dwte = pool.alloc<float>(static_cast<size_t>(Vp) * C);
   float* dwpe = gpt2 ? pool.alloc<float>(static_cast<size_t>(T) * C) : nullptr;
   const auto dx = random_sets(token_sets, NC);
-  report(timer, name, "embedding_backward (" + std::to_string(num_buckets[0]) + " ids)",
+  report(name, "embedding_backward (" + std::to_string(num_buckets[0]) + " ids)",
          4.0 * (3 * N + 1) + NC * 2.0 + 8.0 * num_buckets[0] * C + 4.0 * pos_bytes, token_sets, [&](int s) {
            uf::embedding_backward(dwte, dwpe, dx[s], d_buckets[s], num_buckets[s], B, T, C, 0);
          });
@@ -214,7 +182,7 @@ void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig&
   float* db = pool.alloc<float>(C);
   bf16* dres = pool.random<bf16>(NC);
   const std::string norm = gpt2 ? "layernorm" : "rmsnorm";
-  report(timer, name, norm + "_forward", 2.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, static_cast<int>(h.size()),
+  report(name, norm + "_forward", 2.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, static_cast<int>(h.size()),
          [&](int s) {
            if (gpt2)
              uf::layernorm_forward(y, mean, rstd, h[s], w, b, N, C, 1e-5f, 0);
@@ -222,14 +190,14 @@ void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig&
              uf::rmsnorm_forward(y, rstd, h[s], w, N, C, 1e-5f, 0);
          });
   const int pair_sets = static_cast<int>(std::min(h.size(), dy.size()));
-  report(timer, name, norm + "_backward (+= dres, dw, db)", 4.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, pair_sets,
+  report(name, norm + "_backward (+= dres, dw, db)", 4.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, pair_sets,
          [&](int s) {
            if (gpt2)
              uf::layernorm_backward(dres, dw, db, dy[s], h[s], w, mean, rstd, N, C, true, norm_partials, ws, 0);
            else
              uf::rmsnorm_backward(dres, dw, dy[s], h[s], w, rstd, N, C, true, norm_partials, ws, 0);
          });
-  report(timer, name, "residual_add", 3.0 * NC * 2, pair_sets, [&](int s) { uf::residual_add(y, h[s], dy[s], NC, 0); });
+  report(name, "residual_add", 3.0 * NC * 2, pair_sets, [&](int s) { uf::residual_add(y, h[s], dy[s], NC, 0); });
 
   // MLP activations and biases.
   const auto up = random_sets(input_sets(static_cast<double>(N) * U * 2), static_cast<size_t>(N) * U, 2.0f);
@@ -241,30 +209,30 @@ void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig&
     bf16* bias = pool.random<bf16>(F);
     float* dbias = pool.alloc<float>(F);
     const auto small = random_sets(input_sets(NC * 2.0), NC);
-    report(timer, name, "bias_add [N, 3072]", 2.0 * NF * 2, static_cast<int>(up.size()),
+    report(name, "bias_add [N, 3072]", 2.0 * NF * 2, static_cast<int>(up.size()),
            [&](int s) { uf::bias_add(up[s], bias, N, F, 0); });
-    report(timer, name, "bias_add [N, 768]", 2.0 * NC * 2, static_cast<int>(small.size()),
+    report(name, "bias_add [N, 768]", 2.0 * NC * 2, static_cast<int>(small.size()),
            [&](int s) { uf::bias_add(small[s], bias, N, C, 0); });
-    report(timer, name, "bias_grad [N, 3072]", NF * 2.0, static_cast<int>(d_act.size()),
+    report(name, "bias_grad [N, 3072]", NF * 2.0, static_cast<int>(d_act.size()),
            [&](int s) { uf::column_sum(dbias, d_act[s], N, F, F, ws, 0); });
-    report(timer, name, "bias_grad [N, 2304]", static_cast<double>(N) * Q * 2, static_cast<int>(d_act.size()),
+    report(name, "bias_grad [N, 2304]", static_cast<double>(N) * Q * 2, static_cast<int>(d_act.size()),
            [&](int s) { uf::column_sum(dbias, d_act[s], N, Q, Q, ws, 0); });
-    report(timer, name, "bias_grad [N, 768]", NC * 2.0, static_cast<int>(small.size()),
+    report(name, "bias_grad [N, 768]", NC * 2.0, static_cast<int>(small.size()),
            [&](int s) { uf::column_sum(dbias, small[s], N, C, C, ws, 0); });
-    report(timer, name, "gelu_forward", 2.0 * NF * 2, static_cast<int>(up.size()),
+    report(name, "gelu_forward", 2.0 * NF * 2, static_cast<int>(up.size()),
            [&](int s) { uf::gelu_forward(act, up[s], NF, 0); });
-    report(timer, name, "gelu_backward", 3.0 * NF * 2, mlp_sets,
+    report(name, "gelu_backward", 3.0 * NF * 2, mlp_sets,
            [&](int s) { uf::gelu_backward(d_up, d_act[s], up[s], NF, 0); });
   } else {
-    report(timer, name, "swiglu_forward", 3.0 * NF * 2, static_cast<int>(up.size()),
+    report(name, "swiglu_forward", 3.0 * NF * 2, static_cast<int>(up.size()),
            [&](int s) { uf::swiglu_forward(act, up[s], N, F, 0); });
-    report(timer, name, "swiglu_backward", 5.0 * NF * 2, mlp_sets,
+    report(name, "swiglu_backward", 5.0 * NF * 2, mlp_sets,
            [&](int s) { uf::swiglu_backward(d_up, d_act[s], up[s], N, F, 0); });
     const std::vector<float2> table = uf::rope_table(T, hd, c.rope_theta);
     float2* d_table = pool.upload(table);
     const double rotated = static_cast<double>(N) * (c.n_head + c.n_kv_head) * hd;
     const auto qkv = random_sets(input_sets(2.0 * rotated), static_cast<size_t>(N) * Q);
-    report(timer, name, "rope (q and k, in place)", 2.0 * rotated * 2 + table.size() * 8.0,
+    report(name, "rope (q and k, in place)", 2.0 * rotated * 2 + table.size() * 8.0,
            static_cast<int>(qkv.size()),
            [&](int s) { uf::rope(qkv[s], d_table, B, T, c.n_head, c.n_kv_head, hd, false, 0); });
   }
@@ -273,13 +241,13 @@ void bench_model(Timer& timer, const std::string& name, const coda::ModelConfig&
   bf16* logits = pool.random<bf16>(NV, 4.0f);
   float* losses = pool.alloc<float>(N);
   float* lse = pool.alloc<float>(N);
-  report(timer, name, "crossentropy_forward", NV * 2.0 + 12.0 * N, 1,
+  report(name, "crossentropy_forward", NV * 2.0 + 12.0 * N, 1,
          [&](int) { uf::crossentropy_forward(losses, lse, logits, d_targets, N, V, Vp, 0); });
-  report(timer, name, "crossentropy_backward (in place)", 2.0 * NV * 2 + 8.0 * N, 1,
+  report(name, "crossentropy_backward (in place)", 2.0 * NV * 2 + 8.0 * N, 1,
          [&](int) { uf::crossentropy_backward(logits, logits, lse, d_targets, 1.0f / N, N, V, Vp, 0); });
 }
 
-void bench_optimizer(Timer& timer, const std::string& name, const coda::ModelConfig& c) {
+void bench_optimizer(const std::string& name, const coda::ModelConfig& c) {
   Pool pool;
   const size_t P = coda::make_param_layout(c).total;
   float* params = pool.random<float>(P, 0.05f);
@@ -292,10 +260,10 @@ void bench_optimizer(Timer& timer, const std::string& name, const coda::ModelCon
   unsigned int* ticket = pool.alloc<unsigned int>(1);
   float* result = pool.alloc<float>(1);
   int step = 1;
-  report(timer, name, "adamw (" + std::to_string(P / 1000000) + "M params)", 30.0 * P + P / 64.0, 1, [&](int) {
+  report(name, "adamw (" + std::to_string(P / 1000000) + "M params)", 30.0 * P + P / 64.0, 1, [&](int) {
     uf::adamw(params, params_bf16, m, v, grads, decay, P, {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, step++}, 0);
   });
-  report(timer, name, "grad_sumsq", 4.0 * P, 1, [&](int) { uf::grad_sumsq(result, grads, P, partials, ticket, 0); });
+  report(name, "grad_sumsq", 4.0 * P, 1, [&](int) { uf::grad_sumsq(result, grads, P, partials, ticket, 0); });
 }
 
 coda::ModelConfig gpt2_124m() {
@@ -326,25 +294,24 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "no CUDA device\n");
       return 1;
     }
-    Timer timer;
-    {
+        {
       const size_t bytes = size_t{2} << 30;
       void *a = nullptr, *b = nullptr;
       CUDA_CHECK(cudaMalloc(&a, bytes));
       CUDA_CHECK(cudaMalloc(&b, bytes));
       CUDA_CHECK(cudaMemset(a, 1, bytes));
-      report(timer, "device", "cudaMemcpy D2D 2 GiB (the ceiling)", 2.0 * bytes, 1,
+      report("device", "cudaMemcpy D2D 2 GiB (the ceiling)", 2.0 * bytes, 1,
              [&](int) { CUDA_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
       cudaFree(a);
       cudaFree(b);
     }
     if (which != "llama") {
-      bench_model(timer, "gpt2", gpt2_124m(), 32, 1024);
-      bench_optimizer(timer, "gpt2", gpt2_124m());
+      bench_model("gpt2", gpt2_124m(), 32, 1024);
+      bench_optimizer("gpt2", gpt2_124m());
     }
     if (which != "gpt2") {
-      bench_model(timer, "llama", llama_1b(), 8, 2048);
-      bench_optimizer(timer, "llama", llama_1b());
+      bench_model("llama", llama_1b(), 8, 2048);
+      bench_optimizer("llama", llama_1b());
     }
     const double copy = rows.front().bytes / rows.front().ms;
     std::printf("\nsummary: back-to-back %% of 4.2 TB/s (of this run's copy; isolated launch); under 80%% marked *\n");

@@ -1,10 +1,13 @@
-// Timing helpers shared by the benchmarks (bench_gemm, bench_programs).
+// Timing helpers shared by the benchmarks.
 //
-// Contenders of one shape run interleaved, run by run, so all of them see the same clocks: under sustained
+// median_ms (bench_gemm, bench_programs): contenders of one shape run interleaved, run by run, so all of them see the same clocks: under sustained
 // load the card sits at its power cap and the SM clock drops, and timing contenders one after the other
 // favoured whoever ran first by up to 20%. Each contender is a function of the run index i, which it uses
 // to rotate between input sets (rotation_sets) so that its operands are not still in L2 from the run
 // before. CUDA events around each run after 5 warm-up rounds; the median.
+// median_ms_each (bench_attention, bench_fused, bench_unfused_kernels): one contender, each run timed on
+// its own, optionally after an untimed preparation such as L2Flush (a kernel's time with its inputs in
+// DRAM, as in a training step where the tensors are far larger than the L2).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -41,6 +44,41 @@ inline std::vector<double> median_ms(int timed_runs, const std::vector<std::func
   for (auto& e : ev) CUDA_CHECK(cudaEventDestroy(e));
   return medians;
 }
+
+// Median ms over `timed_runs` runs of run(i), after `warmup` untimed ones; before(i), if given, runs
+// ahead of each, outside the events.
+inline double median_ms_each(const std::function<void(int)>& run, int timed_runs, int warmup,
+                             const std::function<void(int)>& before = {}) {
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int i = 0; i < warmup + timed_runs; ++i) {
+    if (before) before(i);
+    CUDA_CHECK(cudaEventRecord(start));
+    run(i);
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float elapsed = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    if (i >= warmup) ms.push_back(elapsed);
+  }
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return ms[ms.size() / 2];
+}
+
+// A 512 MB memset, ten times the H200's L2: called before a timed run, it evicts that run's inputs.
+struct L2Flush {
+  static constexpr size_t kBytes = size_t{512} << 20;
+  void* buffer = nullptr;
+  L2Flush() { CUDA_CHECK(cudaMalloc(&buffer, kBytes)); }
+  ~L2Flush() { cudaFree(buffer); }
+  L2Flush(const L2Flush&) = delete;
+  L2Flush& operator=(const L2Flush&) = delete;
+  void operator()(int i) const { CUDA_CHECK(cudaMemsetAsync(buffer, i & 0xff, kBytes)); }
+};
 
 // How many copies of a set of operands of `set_bytes` to rotate through so that the rotation holds at
 // least 150 MB (three times the H200's 50 MB L2), at most 8.
