@@ -256,17 +256,15 @@ __global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* d
   }
   // The last `finishers` blocks to take a ticket each sum slices of 32 partial columns over all blocks,
   // once every block has taken one. The summation order depends on the launch shape only.
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) ticket = atomicAdd(&counters[0], 1u);
+  if (threadIdx.x == 0) ticket = ticket_add(&counters[0], 1u);
   __syncthreads();
   const int slices = (kStats * C + 31) / 32, finishers = min(static_cast<int>(gridDim.x), slices);
   const int finisher = static_cast<int>(ticket) - (static_cast<int>(gridDim.x) - finishers);
   if (finisher < 0) return;
   if (threadIdx.x == 0)
-    while (*reinterpret_cast<volatile unsigned int*>(&counters[0]) < gridDim.x) __nanosleep(64);
+    while (load_acquire(&counters[0]) < gridDim.x) __nanosleep(64);
   __syncthreads();
-  __threadfence();
   float4* lane_sums = reinterpret_cast<float4*>(smem);  // [blockDim.x / 8][8]
   const int q = threadIdx.x % 8, part = threadIdx.x / 8, parts = blockDim.x / 8;
   for (int slice = finisher; slice < slices; slice += finishers) {

@@ -79,6 +79,26 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
   return warp_sum(x);
 }
 
+// The "last block finishes" pattern of the reductions (column_sum, the norm backwards): after a
+// __syncthreads that follows the block's partial stores, one thread takes a ticket with a gpu-scope
+// acquire-release atomic, which publishes the whole block's stores (the barrier orders them before it) and,
+// for the block that draws the last ticket, makes every other block's published stores visible; a waiting
+// thread polls with acquire loads, and a __syncthreads passes that on to the rest of its block. This
+// replaces __threadfence() in every thread (MEMBAR.SC.GPU plus an L1 invalidation, CCTL.IVALL, in the
+// SASS, twice on the finishing block's path); measured: column_sum [N, 768] 19.85 -> 19.1 us (with its
+// early read of out[]), the norm backwards 0.4-0.6 us faster.
+__device__ __forceinline__ unsigned int ticket_add(unsigned int* counter, unsigned int value) {
+  unsigned int old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(counter), "r"(value) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* counter) {
+  unsigned int value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+
 // Grid size for a launch of `threads` threads in blocks of `block` threads.
 inline unsigned int blocks_for(size_t threads, int block) {
   return static_cast<unsigned int>((threads + block - 1) / block);
