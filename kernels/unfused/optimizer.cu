@@ -7,7 +7,8 @@
 // elements (model.hpp), so one byte per 64 elements says it (a 4-element packet never straddles two).
 //
 // The sum of squares is deterministic: every block reduces a grid-stride share in a fixed order and
-// writes its partial; the block that draws the last integer ticket sums the partials in block order.
+// writes its partial; the block that draws the last integer ticket (ticket_add in vec.cuh) sums the
+// partials in block order.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -69,12 +70,10 @@ __global__ void __launch_bounds__(kSumsqThreads) sumsq_kernel(float* result, con
   sum = block_sum(sum, scratch);
   if (threadIdx.x == 0) {
     partials[blockIdx.x] = sum;
-    __threadfence();
-    last_block = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    last_block = ticket_add(ticket, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!last_block) return;
-  __threadfence();
   float total = 0.0f;
   for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += blockDim.x) total += __ldcg(partials + b);
   total = block_sum(total, scratch);
