@@ -115,7 +115,7 @@ void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&grad_cols_.col_a, grad_cols, partials);
   plan.reserve(&grad_cols_.col_b, grad_cols, partials);
   const size_t ln_cols = static_cast<size_t>(prog::column_partial_groups(N)) * C;
-  for (float** cols : {&ln_cols_.p, &ln_cols_.q, &ln_cols_.dbeta, &ln_cols_.residual})
+  for (float** cols : {&ln_cols_.dgamma, &ln_cols_.dbeta, &ln_cols_.residual})
     plan.reserve(cols, ln_cols, partials);
 }
 
@@ -194,8 +194,7 @@ void CodaGpt2Backend::ln_backward(const bf16* dz_scaled, size_t W, int K, const 
                               prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w),
                                                               scratch_.d_residual, ln_cols_),
                               stream_);
-  fused::add_column_partials(grad(norm_w), ln_cols_.p, groups, C, C, 1.0f, stream_);
-  fused::add_column_partials(grad(norm_w), ln_cols_.q, groups, C, C, -1.0f, stream_);
+  fused::add_column_partials(grad(norm_w), ln_cols_.dgamma, groups, C, C, 1.0f, stream_);
   fused::add_column_partials(grad(norm_b), ln_cols_.dbeta, groups, C, C, 1.0f, stream_);
 }
 

@@ -315,7 +315,7 @@ void ln_backward(Unfused& u, const std::string& name, int K, int stats_count, in
   bf16* d_residual = arena.random<bf16>(size_t(M) * C, -kGrad, kGrad);
   const size_t cols = size_t(prog::column_partial_groups(M)) * C;
   const prog::gpt2::LnBackwardColumns ln_cols{arena.alloc<float>(cols), arena.alloc<float>(cols),
-                                              arena.alloc<float>(cols), arena.alloc<float>(cols)};
+                                              arena.alloc<float>(cols)};
   bf16* bare_out = arena.alloc<bf16>(size_t(M) * C);
   bf16* d_norm = arena.alloc<bf16>(size_t(M) * C);
   bf16* d_residual_unfused = arena.random<bf16>(size_t(M) * C, -kGrad, kGrad);

@@ -416,7 +416,7 @@ TEST(CodaGpt2, ProjDgradGeluBackwardScaledGradientAndLnStatistics) {
   EXPECT_CLOSE(dot_b, dot_b_ref, kFp32Tol);
 }
 
-// The LayerNorm backward program on D' = dz' W: the new residual gradient, dgamma = p - q, dbeta and
+// The LayerNorm backward program on D' = dz' W: the new residual gradient, dgamma, dbeta and
 // the residual gradient's column sums; with the reference's dh, dgamma, dbeta from du = dz W.
 struct LnBackwardResult {
   Vec out, dgamma, dbeta, residual_colsum;
@@ -424,14 +424,12 @@ struct LnBackwardResult {
 LnBackwardResult run_ln_backward(const LnLinear& L, const Vec& dz_scaled, prog::LnDots dots, const Vec& d_residual) {
   const Vec acc = dgrad_acc(dz_scaled, L.w, kM, kD, L.N);
   const Bf16Vec dres_b = to_bf16(d_residual);
-  Vec p = column_partials(kD), q = column_partials(kD), dbeta = column_partials(kD), res = column_partials(kD);
+  Vec dgamma = column_partials(kD), dbeta = column_partials(kD), res = column_partials(kD);
   LnBackwardResult r{Vec(kM * kD, NAN), {}, {}, {}};
   epi::evaluate_on_host(prog::gpt2::ln_backward_program(L.stats(), dots, L.h_b.data(), kD, L.gamma_b.data(),
-                                                        dres_b.data(), {p.data(), q.data(), dbeta.data(), res.data()}),
+                                                        dres_b.data(), {dgamma.data(), dbeta.data(), res.data()}),
                         acc.data(), kM, kD, kTile, r.out.data());
-  r.dgamma = column_sums(p, kM, kD);
-  const Vec q_sum = column_sums(q, kM, kD);
-  for (int j = 0; j < kD; ++j) r.dgamma[j] -= q_sum[j];
+  r.dgamma = column_sums(dgamma, kM, kD);
   r.dbeta = column_sums(dbeta, kM, kD);
   r.residual_colsum = column_sums(res, kM, kD);
   return r;

@@ -10,7 +10,7 @@
 // dz' = r dz, so the dgrad accumulator is D' = dz' W = r du and, with x_hat = (h - mu) r,
 //   dh = D' (.) gamma - k h + e,   k = r^2 S2 / d,  e = k mu - r S1 / d,
 //   S1 = <dz, c>,  S2 = <dz, z> - <dz, b'>     (row dots of the UNSCALED dz, taken by its producer),
-//   dgamma = colsum(D' (.) h) - colsum(D' mu),  dbeta = colsum(D' / r);
+//   dgamma = colsum(D' (.) (h - mu)),  dbeta = colsum(D' / r);
 // and the weight gradient is dW = dz'^T O - a gamma^T + b beta^T with the column sums a = colsum(dz' mu),
 // b = colsum(dz) (also the bias gradient), fused::ln_wgrad_correction.
 // The residual gradient d_residual is loaded by each LayerNorm backward (TileLoad<Add>), summed with dh
@@ -81,12 +81,11 @@ inline auto proj_dgrad_program(const bf16* pre, int f, const NormPartials& stats
                       ColDot<RowOf<LnMean>>(LnMean{stats}, cols.col_a, f));
 }
 
-// The column partials a LayerNorm backward writes ([groups of 16 rows, d] each): dgamma = p - q,
-// dbeta, and the column sums of the new residual gradient (a projection's bias gradient).
+// The column partials a LayerNorm backward writes ([groups of 16 rows, d] each): dgamma, dbeta, and the
+// column sums of the new residual gradient (a projection's bias gradient).
 struct LnBackwardColumns {
-  float* p = nullptr;       // colsum(D' (.) h)
-  float* q = nullptr;       // colsum(D' mu)
-  float* dbeta = nullptr;   // colsum(D' / r)
+  float* dgamma = nullptr;    // colsum(D' (.) (h - mu))
+  float* dbeta = nullptr;     // colsum(D' / r)
   float* residual = nullptr;  // colsum(d_residual + dh)
 };
 
@@ -96,8 +95,9 @@ struct LnBackwardColumns {
 // input 0), d_residual tile input 1.
 inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
                                 const bf16* gamma, const bf16* d_residual, const LnBackwardColumns& cols) {
+  using Centered = Difference<Tile, RowOf<LnMean>>;
   return make_program(ColDot<RowOf<LnInvRstd>>(LnInvRstd{stats}, cols.dbeta, d),
-                      ColDot<RowOf<LnMean>>(LnMean{stats}, cols.q, d), ColDot<Tile>(Tile{h, d}, cols.p, d),
+                      ColDot<Centered>(Centered(Tile{h, d}, LnMean{stats}), cols.dgamma, d),
                       ColBroadcast<Mul, bf16>(gamma),
                       SubScaled<Tile, RowOf<LnBackwardK>>(LnBackwardK{stats, dots}, Tile{h, d}),
                       RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{stats, dots}), TileLoad<Add, 1>(d_residual, d),

@@ -77,7 +77,7 @@ struct NormPartials {
 // ---- LayerNorm statistics as row operands (RowOf<Stat>, epilogue.cuh), finished from the partials ----
 // Forward: z = r (O W^T) - (r mu) c + b' reads LnRstd and LnRstdMean. Backward (scaled form, fused.cuh:
 // the dgrad accumulator is D' = r du): dh = D' (.) gamma - k h + e reads LnBackwardK and LnBackwardE;
-// dgamma = colsum(D' (.) h) - colsum(D' mu) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd.
+// dgamma = colsum(D' (.) (h - mu)) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd.
 struct LnRstd {
   NormPartials stats;
   CODA_HD float operator()(int row) const { return stats.ln_stats(row).rstd; }

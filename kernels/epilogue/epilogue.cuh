@@ -67,6 +67,10 @@ struct Frag {
   int stride;  // accumulator columns per output column: 1, or 2 after a 2->1 map
   float v[4];  // v[2], v[3] only after a 1->2 map
   int expand = 1;  // output columns per accumulator column: 1, or 2 after a 1->2 map
+  // GPU: the index of the fragment's 8-column accumulator group in the staged chunk (a multiple of four
+  // groups), a compile-time constant in the GEMM's unrolled chunk body (ColDot gathers four groups by
+  // it); the host leaves it 0.
+  int group = 0;
 };
 
 // Output column of f.v[0].
@@ -84,6 +88,10 @@ struct RowCtx {
   // output column, and its row length in bytes (128: bf16 output chunks; 64: fp32 ones).
   const uint8_t* tiles = nullptr;
   int tile_row0 = 0, tile_col0 = 0, tile_row_bytes = 128;
+  int tile_cols = 0;  // accumulator columns of the N tile (GPU: BN; host: the tile width it evaluates)
+  // Output columns per accumulator column for the primitive whose begin_rows gets this context:
+  // expand / stride, as in Frag (Program updates them along its list).
+  int expand = 1, stride = 1;
   // Slot s is in use. Loops over slots run to the constant kMaxSlots and test this, so the compiler
   // unrolls them and keeps per-slot state in registers (a loop to num_slots, around a loop of unknown
   // length such as a sum of partials, stayed rolled and put the state in local memory).
@@ -107,9 +115,22 @@ struct QuadLanes {
 };
 #endif
 
+CODA_HD float fast_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
+#endif
+}
+
+// e^x as 2^(x log2 e) with the flush-to-zero hardware exp2 on the GPU: two instructions (__expf's
+// non-ftz exp2 adds a range test and two multiplies per value for results below 2^-126, which every
+// use here (softmax terms, sigmoids) can take as 0).
 CODA_HD float fast_exp(float x) {
 #if defined(__CUDA_ARCH__)
-  return __expf(x);
+  return fast_exp2(x * 1.44269504f);
 #else
   return std::exp(x);
 #endif
@@ -129,19 +150,9 @@ CODA_HD float fast_tanh(float x) {
 // slow-path call per value); e^-x = inf for x < -88 gives 1 / inf = 0, the right limit.
 CODA_HD float fast_sigmoid(float x) {
 #if defined(__CUDA_ARCH__)
-  return __fdividef(1.0f, 1.0f + __expf(-x));
+  return __fdividef(1.0f, 1.0f + fast_exp(-x));
 #else
   return 1.0f / (1.0f + std::exp(-x));
-#endif
-}
-
-CODA_HD float fast_exp2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return std::exp2(x);
 #endif
 }
 
@@ -357,6 +368,12 @@ CODA_HD int input_col(const Frag& f, const RowCtx& ctx) {
   return out_col(f) < last ? out_col(f) : last;
 }
 
+// The fragment is inside the accumulator's N columns (not the last N tile's padding). Primitives turn
+// this into a mask on values and stores, never an early return: a branch per fragment splits the
+// unrolled epilogue into one basic block per fragment, and the scheduler then runs one fragment's
+// dependency chain (loads, shuffles, exps) at a time instead of interleaving a chunk's fragments.
+CODA_HD bool in_columns(const Frag& f, const RowCtx& ctx) { return f.col < ctx.N; }
+
 // ---- operands: the second factor of a broadcast, a dot or a scaled subtraction --------------------
 // load(f, ctx, x): the operand at (f.row, out_col(f) + i) for the fragment's values i; begin_rows
 // loads per-row data; kTileInputs and collect_tiles: the tile inputs it reads (see the top).
@@ -373,11 +390,25 @@ struct Ones : NoTiles {
   }
 };
 
+// GPU: asks L1 for the lines of a column vector that the N tile's epilogue will read, as the tile's rows
+// begin (under the first MMAs): the epilogue's loads then hit L1 instead of waiting on L2 (those waits
+// were a third of the LM head's epilogue stalls, ncu). One 128-byte line per thread of the warpgroup.
+template <class T>
+CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
+#if defined(__CUDA_ARCH__)
+  constexpr int kLine = 128 / static_cast<int>(sizeof(T));  // vector entries per line
+  const int first = ctx.n0 * ctx.expand / ctx.stride;
+  const int end = min(ctx.n0 + ctx.tile_cols, ctx.N) * ctx.expand / ctx.stride;
+  const int col = first / kLine * kLine + static_cast<int>(threadIdx.x % 128) * kLine;
+  if (col < end) asm volatile("prefetch.global.L1 [%0];" ::"l"(vec + col));
+#endif
+}
+
 template <class T>
 struct ColVectorOf : NoTiles {
   const T* vec;
   CODA_HD ColVectorOf(const T* v) : vec(v) {}
-  CODA_HD void begin_rows(const RowCtx&) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) { prefetch_columns(vec, ctx); }
   CODA_HD void load(const Frag& f, const RowCtx& ctx, float* x) const { load_values(vec + input_col(f, ctx), f.width, x); }
 };
 using ColVector = ColVectorOf<float>;
@@ -426,6 +457,32 @@ struct TileOf {
 };
 using Tile = TileOf<0>;
 
+constexpr int max_of(int a, int b) { return a > b ? a : b; }
+
+// The difference of two operands, a - b (the centered norm input h - mu that the LayerNorm's dgamma is
+// the column dot with).
+template <class A, class B>
+struct Difference {
+  static constexpr int kTileInputs = max_of(A::kTileInputs, B::kTileInputs);
+  A a;
+  B b;
+  CODA_HD Difference(const A& a_, const B& b_) : a(a_), b(b_) {}
+  void collect_tiles(TileSource* sources) const {
+    a.collect_tiles(sources);
+    b.collect_tiles(sources);
+  }
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+    a.begin_rows(ctx);
+    b.begin_rows(ctx);
+  }
+  CODA_HD void load(const Frag& f, const RowCtx& ctx, float* x) const {
+    float y[Frag::kMaxWidth];
+    a.load(f, ctx, x);
+    b.load(f, ctx, y);
+    CODA_FOR_VALUES(i, f) x[i] -= y[i];
+  }
+};
+
 // ---- primitives -----------------------------------------------------------------------------------
 
 // Empty hooks; each primitive overrides the ones it needs. kColsPerOut: accumulator columns per output
@@ -440,7 +497,6 @@ struct Primitive : NoTiles {
   CODA_HD void end_rows(const RowCtx&, const Lanes&) {}
 };
 
-constexpr int max_of(int a, int b) { return a > b ? a : b; }
 
 // Row broadcast: v = op(v, x[row]) for a row operand x (above): a loaded vector (RowVector: RMSNorm
 // rstd, LayerNorm mean, ...) or a statistic finished from partials as the rows begin (norm_stats.cuh).
@@ -465,6 +521,7 @@ template <class Op, class T = float>
 struct ColBroadcast : Primitive {
   ColVectorOf<T> vec;
   CODA_HD explicit ColBroadcast(const T* v) : vec(v) {}
+  CODA_HD void begin_rows(const RowCtx& ctx) { vec.begin_rows(ctx); }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     float xs[Frag::kMaxWidth];
     vec.load(f, ctx, xs);
@@ -522,8 +579,8 @@ struct StoreAux : Primitive {
   int ld;
   CODA_HD StoreAux(T* d, int l) : dst(d), ld(l) {}
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    if (f.col >= ctx.N || f.row >= ctx.M) return;
-    store_values(dst + static_cast<size_t>(f.row) * ld + out_col(f), f.width, f.v);
+    if (in_columns(f, ctx) && f.row < ctx.M)
+      store_values(dst + static_cast<size_t>(f.row) * ld + out_col(f), f.width, f.v);
   }
 };
 
@@ -584,10 +641,11 @@ struct Max {
 };
 
 // Online log-sum-exp: state (m, s) = (running max, sum of exp(x - m)); a partial is (m, s) and the
-// full-row value is merge_lse over the partials. A fragment enters without a branch: the new max over
-// the state and its values, then one rescale of s and one exp per value against it (a branch per value
-// split the unrolled epilogue into a basic block per value, one dependency chain at a time). Rows
-// without a value yet (m = -inf) shift by 0, so exp(-inf) = 0 stands for the empty sums.
+// full-row value is merge_lse over the partials. A value enters with ONE exp and no branch: with
+// d = x - m and e = exp(-|d|), a new maximum (d > 0) rescales the sum, s = s e + 1, otherwise
+// s = s + e; both are computed and one is selected (a branch per value split the unrolled epilogue into
+// a basic block per value, one dependency chain at a time). The first value of a row (m = -inf) gives
+// d = inf, e = 0, s = 1. Masked values (-inf) are skipped by the select (d would be NaN when m = -inf).
 struct LogSumExp {
   struct Out {
     float max, sum;
@@ -595,13 +653,12 @@ struct LogSumExp {
   CODA_HD static float masked() { return -INFINITY; }
   CODA_HD static void init(float& m, float& s) { m = -INFINITY, s = 0.0f; }
   CODA_HD static void add(float& m, float& s, const float* x, int n) {
-    float mx = m;
-    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) mx = fmaxf(mx, x[i]);
-    const float shift = mx == -INFINITY ? 0.0f : mx;
-    float e = 0.0f;
-    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) e += fast_exp(x[i] - shift);
-    s = fmaf(s, fast_exp(m - shift), e);
-    m = mx;
+    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) {
+      const float d = x[i] - m, e = fast_exp(-fabsf(d));
+      const float next = d > 0.0f ? fmaf(s, e, 1.0f) : s + e;
+      s = x[i] == -INFINITY ? s : next;
+      m = fmaxf(m, x[i]);
+    }
   }
   CODA_HD static void merge(float& m, float& s, float m2, float s2) {
     if (m2 == -INFINITY) return;
@@ -624,7 +681,8 @@ CODA_HD float merge_lse(const LogSumExp::Out* partials, int count) {
 }
 
 // Per (row, N tile) partial of the current values: out[row * ctx.tiles_n + ctx.tile_n]. Columns >= N
-// (tile padding) and output columns >= col_end are left out.
+// (tile padding) and output columns >= col_end are left out (masked, not branched around: see
+// in_columns).
 template <class Kind>
 struct RowReduce : Primitive {
   typename Kind::Out* out;
@@ -635,10 +693,10 @@ struct RowReduce : Primitive {
     for (int s = 0; s < RowCtx::kMaxSlots; ++s) Kind::init(a[s], b[s]);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    if (f.col >= ctx.N) return;
     const int c = out_col(f);
+    const bool in = in_columns(f, ctx);
     float x[Frag::kMaxWidth];
-    CODA_FOR_VALUES(i, f) x[i] = c + i < col_end ? f.v[i] : Kind::masked();
+    CODA_FOR_VALUES(i, f) x[i] = in && c + i < col_end ? f.v[i] : Kind::masked();
     Kind::add(a[f.slot], b[f.slot], x, f.width);
   }
   template <class Lanes>
@@ -673,7 +731,6 @@ struct SubScaled : Primitive {
     x.begin_rows(ctx);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    if (f.col >= ctx.N) return;
     float as[Frag::kMaxWidth], xs[Frag::kMaxWidth];
     alpha.load(f, ctx, as);
     x.load(f, ctx, xs);
@@ -694,20 +751,22 @@ struct RowDot : RowReduce<Sum> {
     x.begin_rows(ctx);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    if (f.col >= ctx.N) return;
+    const bool in = in_columns(f, ctx);
     float xs[Frag::kMaxWidth];
     x.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) a[f.slot] = fmaf(f.v[i], xs[i], a[f.slot]);
+    CODA_FOR_VALUES(i, f) a[f.slot] = fmaf(in ? f.v[i] : 0.0f, xs[i], a[f.slot]);
   }
 };
 
 // Column dot partial: out[(row / 16) * ld + output column] = sum over the group's 16 rows of v * x
 // (bias gradients with x = Ones, gamma gradients with x a Tile or a RowVector). 16 rows are one warp's
 // share of a 64-row block on the GPU: each thread holds 2 rows (slots 0 and 1, visited one after the
-// other for the same columns) and the 8 lanes with the same lane % 4 hold the other rows, so a warp
-// finishes its partial with three shuffles, and lanes 0-3 write it. N % 8 == 0 keeps the early return
-// uniform over the warp. The host runs one row at a time, in order: the group's first row writes, the
-// others add.
+// other for the same columns) and the 8 lanes with the same lane % 4 hold the other rows. A warp
+// finishes four 8-column accumulator groups at once (4 x width values per thread once its two rows are
+// added): a butterfly reduce-scatter over the 8 lanes, each of the three shuffle steps halving the
+// values a lane keeps (7 shuffles for 8 values instead of 3 per value), leaves each lane its own
+// finished columns, and the warp writes the four groups as one coalesced store. N % 8 == 0. The host
+// runs one row at a time, in order: the group's first row writes, the others add.
 template <class X>
 struct ColDot : Primitive {
   static constexpr int kRows = 16;
@@ -715,31 +774,56 @@ struct ColDot : Primitive {
   X x;
   float* out;
   int ld;
-  float first[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // slot 0's products, GPU only
+  float first[Frag::kMaxWidth] = {};     // GPU: slot 0's products of the current group
+  float quad[4 * Frag::kMaxWidth] = {};  // GPU: the two rows' sums of four groups, (group % 4) * width + value
   CODA_HD ColDot(const X& x_, float* o, int l) : x(x_), out(o), ld(l) {}
   void collect_tiles(TileSource* sources) const { x.collect_tiles(sources); }
   CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
-    if (f.col >= ctx.N) return;
+    const bool in = in_columns(f, ctx) && f.row < ctx.M;
     float xs[Frag::kMaxWidth], y[Frag::kMaxWidth];
     x.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) y[i] = f.row < ctx.M ? f.v[i] * xs[i] : 0.0f;
-    float* p = out + static_cast<size_t>(f.row / kRows) * ld + out_col(f);
+    CODA_FOR_VALUES(i, f) y[i] = in ? f.v[i] * xs[i] : 0.0f;
 #if defined(__CUDA_ARCH__)
     if (f.slot == 0) {
       CODA_FOR_VALUES(i, f) first[i] = y[i];
       return;
     }
-    CODA_FOR_VALUES(i, f) {
-      y[i] += first[i];
-      for (int mask = 4; mask < 32; mask <<= 1) y[i] += __shfl_xor_sync(0xffffffffu, y[i], mask);
-    }
-    if ((threadIdx.x & 31) < 4 && (f.row / kRows) * kRows < ctx.M)
-      CODA_FOR_VALUES(i, f) p[i] = y[i];
+    const int q = f.group & 3;
+    CODA_FOR_VALUES(i, f) quad[q * f.width + i] = y[i] + first[i];
+    if (q == 3) write_quad(f, ctx);
 #else
+    float* p = out + static_cast<size_t>(f.row / kRows) * ld + out_col(f);
     CODA_FOR_VALUES(i, f) p[i] = (f.row % kRows == 0 ? 0.0f : p[i]) + y[i];
 #endif
   }
+#if defined(__CUDA_ARCH__)
+  // f: the slot-1 fragment of the quad's last group. At each step (lane bits 4, 3, 2: the row lanes) a
+  // lane keeps the half of its values that its bit selects and adds its partner's copy of that half;
+  // with fewer than 8 values (width 1) the last step is a plain sum and lanes 4 apart hold the same value.
+  __device__ __forceinline__ void write_quad(const Frag& f, const RowCtx& ctx) const {
+    const int lane = threadIdx.x & 31;
+    float v[4 * Frag::kMaxWidth];
+    CODA_UNROLL for (int k = 0; k < 4 * Frag::kMaxWidth; ++k) v[k] = quad[k];
+    int count = 4 * f.width, index = 0;  // the lane keeps values index .. index + count - 1
+    CODA_UNROLL for (int bit = 16; bit >= 4; bit >>= 1) {
+      const bool upper = (lane & bit) != 0;
+      if (count > 1) {
+        count /= 2;
+        CODA_UNROLL for (int k = 0; k < 2 * Frag::kMaxWidth; ++k) if (k < count)
+          v[k] = (upper ? v[k + count] : v[k]) + __shfl_xor_sync(0xffffffffu, upper ? v[k] : v[k + count], bit);
+        index += upper ? count : 0;
+      } else {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], bit);
+      }
+    }
+    const int group = index / f.width, value = index % f.width;
+    const int col = out_col(f) + (group - 3) * 8 * f.expand / f.stride + value;
+    const bool writer = 4 * f.width >= 8 || (lane & 4) == 0;
+    if (writer && col < ctx.N * f.expand / f.stride && (f.row / kRows) * kRows < ctx.M)
+      store_values(out + static_cast<size_t>(f.row / kRows) * ld + col, count, v);
+  }
+#endif
 };
 
 // SwiGLU backward, 1 -> 2. The accumulator is dy, the gradient of y = silu(g) u; with the saved
@@ -802,7 +886,10 @@ struct Program<P, Rest...> {
   }
   CODA_HD void begin_rows(const RowCtx& ctx) {
     head.begin_rows(ctx);
-    tail.begin_rows(ctx);
+    RowCtx next = ctx;
+    next.expand *= P::kOutsPerCol;
+    next.stride *= P::kColsPerOut;
+    tail.begin_rows(next);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     head.visit(f, ctx);
@@ -829,7 +916,8 @@ void evaluate_on_host(Prog program, const float* acc, int M, int N, int tile_n, 
   const int tiles_n = (N + tile_n - 1) / tile_n;
   for (int row = 0; row < M; ++row) {
     for (int t = 0; t < tiles_n; ++t) {
-      const RowCtx ctx{{row, row}, 1, t * tile_n, t, tiles_n, M, N};
+      RowCtx ctx{{row, row}, 1, t * tile_n, t, tiles_n, M, N};
+      ctx.tile_cols = tile_n;
       program.begin_rows(ctx);
       const int end = ctx.n0 + tile_n < N ? ctx.n0 + tile_n : N;
       for (int col = ctx.n0; col < end; col += 2) {

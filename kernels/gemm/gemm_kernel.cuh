@@ -276,18 +276,19 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       sm90::mbar_wait(&turn[cw], (my_units++ & 1) ^ (cw == 0 ? 1 : 0));
     }
 
-    // The program's per-row loads (row operands, targets) are issued before the mainloop, so their
-    // latency runs under the MMAs instead of stalling the first fragment of each 64-row block. (Issued
-    // just before wgmma.wait_group 0 instead, ptxas moved most of them below the wait.) Costs a few
-    // registers across the mainloop: no spills at the 168-register cap (ptxas -v).
+    // The program's per-row work (row operands finished from partials, targets, column-vector
+    // prefetches) runs right after the first k-block's MMAs are issued, so its loads and math take place
+    // under them. (Before the mainloop, the loads' latency stalled the consumers while the tensor cores
+    // waited: 10-13% of the LM head's and the proj dgrad's time, ncu; just before wgmma.wait_group 0,
+    // ptxas moved most of the loads below the wait.) Costs a few registers across the mainloop.
     auto block_ctx = [&](int s) {
       const int m_block = block_row(s);
-      return epi::RowCtx{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
+      epi::RowCtx c{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
+      c.tile_cols = Cfg::kBN;
+      return c;
     };
     const epi::RowCtx ctx0 = block_ctx(0), ctx1 = block_ctx(1);
     Program prog0 = program, prog1 = program;
-    prog0.begin_rows(ctx0);
-    if constexpr (Cfg::kSubs == 2) prog1.begin_rows(ctx1);
 
     // ---- mainloop ----
     uint32_t prev_slot = 0;
@@ -307,6 +308,10 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
         }
       }
       sm90::wgmma_commit();
+      if (kb == 0) {
+        prog0.begin_rows(ctx0);
+        if constexpr (Cfg::kSubs == 2) prog1.begin_rows(ctx1);
+      }
       sm90::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
       if (kb > 0 && lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
       prev_slot = slot;
@@ -321,12 +326,17 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     // ---- epilogue ----
     // One 64-row block: its program copy, its rows, its accumulators (separate variables per block, not
     // arrays indexed by the block: with arrays the compiler kept some programs' per-row state in local
-    // memory).
+    // memory). The chunk loop is NOT unrolled: unrolled, the long programs' epilogues (12-20k
+    // instructions, 200-300 KB) did not fit the instruction cache and stalled on instruction fetch (35% of
+    // the proj dgrad's samples, ncu "no instruction"). Each chunk visits the first kChunkAcc accumulators
+    // and then shifts the rest down (register moves; the accumulators are overwritten by the next tile's
+    // first MMA), so every index stays a compile-time constant and the accumulators stay in registers.
     int tile_chunk = 0;  // chunks of this tile visited so far
-    auto store_block = [&](Program& prog, const epi::RowCtx& ctx, const float(&a)[Cfg::kAcc]) {
+    auto store_block = [&](Program& prog, const epi::RowCtx& ctx, float(&a)[Cfg::kAcc]) {
+      constexpr int kChunkAcc = 4 * kChunkGroups;  // accumulators per thread in one chunk
       const int m_block = ctx.rows[0] - r0;
       if (m_block >= p.M) return;
-#pragma unroll
+#pragma unroll 1
       for (int c = 0; c < kChunks; ++c) {
         const int out_col0 = out_col_first + c * kOutCols;
         if (out_col0 >= out_cols) break;
@@ -344,15 +354,16 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
         sm90::named_barrier(1 + cw, 128);
 #pragma unroll
         for (int g = 0; g < kChunkGroups; ++g) {
-          const int j = c * kChunkGroups + g;  // 8-column group of the tile
-          const int col = n0 + j * 8 + 2 * (lane & 3);
+          const int col = n0 + (c * kChunkGroups + g) * 8 + 2 * (lane & 3);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[4 * j + 2 * h], a[4 * j + 2 * h + 1]}};
+            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[4 * g + 2 * h], a[4 * g + 2 * h + 1]}, 1, g};
             prog.visit(f, chunk_ctx);
             stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) * kExpand / kRatio - c * kOutCols, f.v);
           }
         }
+#pragma unroll
+        for (int i = 0; i + kChunkAcc < Cfg::kAcc; ++i) a[i] = a[i + kChunkAcc];
         sm90::fence_proxy_async_smem();
         sm90::named_barrier(1 + cw, 128);
         if (t == 0) {
