@@ -867,10 +867,13 @@ struct Program;
 
 // The empty program (the end of every program's list, and the plain GEMM): the empty hooks of Primitive.
 template <>
-struct Program<> : Primitive {};
+struct Program<> : Primitive {
+  static constexpr int kLength = 0;
+};
 
 template <class P, class... Rest>
 struct Program<P, Rest...> {
+  static constexpr int kLength = 1 + Program<Rest...>::kLength;  // primitives in the list
   static constexpr int kColsPerOut = P::kColsPerOut * Program<Rest...>::kColsPerOut;
   static constexpr int kOutsPerCol = P::kOutsPerCol * Program<Rest...>::kOutsPerCol;
   static constexpr int kTileInputs = max_of(P::kTileInputs, Program<Rest...>::kTileInputs);

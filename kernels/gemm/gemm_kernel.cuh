@@ -326,18 +326,25 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     // ---- epilogue ----
     // One 64-row block: its program copy, its rows, its accumulators (separate variables per block, not
     // arrays indexed by the block: with arrays the compiler kept some programs' per-row state in local
-    // memory). The chunk loop is NOT unrolled: unrolled, the long programs' epilogues (12-20k
-    // instructions, 200-300 KB) did not fit the instruction cache and stalled on instruction fetch (35% of
-    // the proj dgrad's samples, ncu "no instruction"). Each chunk visits the first kChunkAcc accumulators
-    // and then shifts the rest down (register moves; the accumulators are overwritten by the next tile's
-    // first MMA), so every index stays a compile-time constant and the accumulators stay in registers.
+    // memory). Each chunk visits the first kChunkAcc accumulators and then shifts the rest down, so
+    // every index is a compile-time constant whether the chunk loop is unrolled (the shifts fold into
+    // register names) or not (they are register moves; the accumulators are overwritten by the next
+    // tile's first MMA). Long programs (kRolledFrom primitives or more) run the loop rolled: unrolled,
+    // their epilogues (12-20k instructions, 200-300 KB) did not fit the instruction cache and stalled on
+    // instruction fetch (35-40% of the proj dgrad's and LN-backward dgrad's samples, ncu "no
+    // instruction"); short ones unrolled, where the moves would cost more than the fetches (rolled, the
+    // identity program's epilogue took 5-14% longer). The rolled loop runs to the run-time chunk count
+    // (with the constant one, the compiler unrolled the two-input programs' loop all the same).
     int tile_chunk = 0;  // chunks of this tile visited so far
     auto store_block = [&](Program& prog, const epi::RowCtx& ctx, float(&a)[Cfg::kAcc]) {
       constexpr int kChunkAcc = 4 * kChunkGroups;  // accumulators per thread in one chunk
+      constexpr int kRolledFrom = 6;
+      constexpr bool kRolled = Program::kLength >= kRolledFrom;
       const int m_block = ctx.rows[0] - r0;
       if (m_block >= p.M) return;
-#pragma unroll 1
-      for (int c = 0; c < kChunks; ++c) {
+      const int chunks = kRolled ? block_chunks : kChunks;
+#pragma unroll(kRolled ? 1 : kChunks)
+      for (int c = 0; c < chunks; ++c) {
         const int out_col0 = out_col_first + c * kOutCols;
         if (out_col0 >= out_cols) break;
         uint8_t* buf = my_staging + (chunk_count++ & 1) * Cfg::kBlockBytes;
