@@ -326,15 +326,16 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     // ---- epilogue ----
     // One 64-row block: its program copy, its rows, its accumulators (separate variables per block, not
     // arrays indexed by the block: with arrays the compiler kept some programs' per-row state in local
-    // memory). Each chunk visits the first kChunkAcc accumulators and then shifts the rest down, so
-    // every index is a compile-time constant whether the chunk loop is unrolled (the shifts fold into
-    // register names) or not (they are register moves; the accumulators are overwritten by the next
-    // tile's first MMA). Long programs (kRolledFrom primitives or more) run the loop rolled: unrolled,
-    // their epilogues (12-20k instructions, 200-300 KB) did not fit the instruction cache and stalled on
+    // memory). Long programs (kRolledFrom primitives or more) run the chunk loop rolled: unrolled, their
+    // epilogues (12-20k instructions, 200-300 KB) did not fit the instruction cache and stalled on
     // instruction fetch (35-40% of the proj dgrad's and LN-backward dgrad's samples, ncu "no
-    // instruction"); short ones unrolled, where the moves would cost more than the fetches (rolled, the
-    // identity program's epilogue took 5-14% longer). The rolled loop runs to the run-time chunk count
-    // (with the constant one, the compiler unrolled the two-input programs' loop all the same).
+    // instruction"). A rolled chunk visits the first kChunkAcc accumulators and then shifts the rest down
+    // (register moves; the accumulators are overwritten by the next tile's first MMA), so every index is
+    // a compile-time constant and the accumulators stay in registers; it runs to the run-time chunk count
+    // (with the constant one, the compiler unrolled the two-input programs' loop all the same). Short
+    // programs keep the loop unrolled and index chunk c's accumulators directly: the moves are real there
+    // too (the shifted values flow into the next tile's MMAs), and made the identity program's epilogue
+    // take 5-14% longer.
     int tile_chunk = 0;  // chunks of this tile visited so far
     auto store_block = [&](Program& prog, const epi::RowCtx& ctx, float(&a)[Cfg::kAcc]) {
       constexpr int kChunkAcc = 4 * kChunkGroups;  // accumulators per thread in one chunk
@@ -364,13 +365,16 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
           const int col = n0 + (c * kChunkGroups + g) * 8 + 2 * (lane & 3);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[4 * g + 2 * h], a[4 * g + 2 * h + 1]}, 1, g};
+            const int i = (kRolled ? 0 : c * kChunkAcc) + 4 * g + 2 * h;  // a constant either way
+            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[i], a[i + 1]}, 1, g};
             prog.visit(f, chunk_ctx);
             stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) * kExpand / kRatio - c * kOutCols, f.v);
           }
         }
+        if constexpr (kRolled) {
 #pragma unroll
-        for (int i = 0; i + kChunkAcc < Cfg::kAcc; ++i) a[i] = a[i + kChunkAcc];
+          for (int i = 0; i + kChunkAcc < Cfg::kAcc; ++i) a[i] = a[i + kChunkAcc];
+        }
         sm90::fence_proxy_async_smem();
         sm90::named_barrier(1 + cw, 128);
         if (t == 0) {
