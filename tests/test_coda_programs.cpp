@@ -107,6 +107,18 @@ struct RmsPartials {
   }
 };
 
+// sum_partials takes four partials per step and the last 0-3 predicated: every count from 0 to 13 (a
+// row of 13 partials also starting at an odd offset) against a plain double sum.
+TEST(CodaNormStats, SumPartialsOverEveryRemainder) {
+  const Vec p = random_vec(14, -3.0f, 3.0f, 77);
+  for (int first = 0; first < 2; ++first)
+    for (int count = 0; first + count <= 14; ++count) {
+      double expect = 0.0;
+      for (int i = 0; i < count; ++i) expect += p[first + i];
+      EXPECT_NEAR(prog::sum_partials(p.data() + first, count), expect, 1e-5) << "count " << count;
+    }
+}
+
 TEST(CodaLlama, QkvRowScaleAndRopeEqualRmsNormMatmulRope) {
   const int n_head = 2, n_kv = 1, hd = 16, N = (n_head + 2 * n_kv) * hd;
   const float theta = 10000.0f;

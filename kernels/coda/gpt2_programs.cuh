@@ -3,8 +3,8 @@
 // (mean mu, r = 1 / sqrt(var + eps)); next GEMM z = u W^T + bias, W [n, d]. Reparameterized forward:
 //   z = r (O W^T) - (r mu) c + b',   O = h (.) gamma,  c = W gamma,  b' = W beta + bias,
 // with the weight-derived vectors c, b' computed once per forward (fused::ln_weight_vectors) and mu, r
-// finished from the partial sums of h and h^2 (NormPartials) that the producer of h wrote, by the row
-// operands of norm_stats.cuh as each GEMM tile's rows begin.
+// finished from the partial sums of h and h^2 (NormPartials) that the producer of h wrote, once per row
+// by the program's RowStage (norm_stats.cuh) as each GEMM tile's rows begin.
 //
 // Backward in the scaled form of fused.cuh: the gradient dz of a LayerNormed GEMM is handed on as
 // dz' = r dz, so the dgrad accumulator is D' = dz' W = r du and, with x_hat = (h - mu) r,
@@ -29,8 +29,8 @@ using namespace coda::epi;
 // z = r acc - (r mu) c + b' (the LayerNorm reparameterization), followed by the primitives `rest`.
 template <class... Rest>
 inline auto ln_linear_then(const NormPartials& stats, const float* c, const float* b_prime, const Rest&... rest) {
-  return make_program(RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{stats}),
-                      SubScaled<ColVector, RowOf<LnRstdMean>>(LnRstdMean{stats}, ColVector{c}),
+  return make_program(RowStage<LnRows>(LnRows{stats}), RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{}),
+                      SubScaled<ColVector, RowOf<LnRstdMean>>(LnRstdMean{}, ColVector{c}),
                       ColBroadcast<Add>(b_prime), rest...);
 }
 
@@ -74,11 +74,10 @@ struct LnGradColumns {
 // dz' = r dz (stats: the LayerNorm before fc) as main output [M, f], and col_a = colsum(dz' mu).
 inline auto proj_dgrad_program(const bf16* pre, int f, const NormPartials& stats, const float* c,
                                const float* b_prime, const LnDots& dots, const LnGradColumns& cols) {
-  return make_program(TileLoad<GeluGradMul>(pre, f), ColDot<Ones>(Ones{}, cols.col_b, f),
-                      RowDot<Tile>(Tile{pre, f}, dots.z), RowDot<ColVector>(ColVector{c}, dots.c),
-                      RowDot<ColVector>(ColVector{b_prime}, dots.b),
-                      RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{stats}),
-                      ColDot<RowOf<LnMean>>(LnMean{stats}, cols.col_a, f));
+  return make_program(RowStage<LnRows>(LnRows{stats}), TileLoad<GeluGradMul>(pre, f),
+                      ColDot<Ones>(Ones{}, cols.col_b, f), RowDot<Tile>(Tile{pre, f}, dots.z),
+                      RowDot<ColVector>(ColVector{c}, dots.c), RowDot<ColVector>(ColVector{b_prime}, dots.b),
+                      RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{}), ColDot<RowOf<LnMean>>(LnMean{}, cols.col_a, f));
 }
 
 // The column partials a LayerNorm backward writes ([groups of 16 rows, d] each): dgamma, dbeta, and the
@@ -96,11 +95,11 @@ struct LnBackwardColumns {
 inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
                                 const bf16* gamma, const bf16* d_residual, const LnBackwardColumns& cols) {
   using Centered = Difference<Tile, RowOf<LnMean>>;
-  return make_program(ColDot<RowOf<LnInvRstd>>(LnInvRstd{stats}, cols.dbeta, d),
-                      ColDot<Centered>(Centered(Tile{h, d}, LnMean{stats}), cols.dgamma, d),
-                      ColBroadcast<Mul, bf16>(gamma),
-                      SubScaled<Tile, RowOf<LnBackwardK>>(LnBackwardK{stats, dots}, Tile{h, d}),
-                      RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{stats, dots}), TileLoad<Add, 1>(d_residual, d),
+  return make_program(RowStage<LnBackwardRows>(LnBackwardRows{stats, dots}),
+                      ColDot<RowOf<LnInvRstd>>(LnInvRstd{}, cols.dbeta, d),
+                      ColDot<Centered>(Centered(Tile{h, d}, LnMean{}), cols.dgamma, d), ColBroadcast<Mul, bf16>(gamma),
+                      SubScaled<Tile, RowOf<LnBackwardK>>(LnBackwardK{}, Tile{h, d}),
+                      RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{}), TileLoad<Add, 1>(d_residual, d),
                       ColDot<Ones>(Ones{}, cols.residual, d));
 }
 

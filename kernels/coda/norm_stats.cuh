@@ -14,10 +14,17 @@
 
 namespace coda::prog {
 
+// Four partials per step with four sums, the last 0-3 as predicated loads: a step's loads are issued
+// together instead of one load latency per partial (the LayerNorm statistics of a 3-tile producer are
+// one step).
 CODA_HD float sum_partials(const float* row_partials, int count) {
-  float s = 0.0f;
-  for (int i = 0; i < count; ++i) s += row_partials[i];
-  return s;
+  float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int i = 0;
+  for (; i + 4 <= count; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += row_partials[i + j];
+  for (int j = 0; j < 3; ++j)
+    if (i + j < count) s[j] += row_partials[i + j];
+  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 // RMSNorm: r = 1 / sqrt(sum(h^2) / d + eps) from the partial sums of h^2.
@@ -74,28 +81,27 @@ struct NormPartials {
   CODA_HD float rstd(int row) const { return sum == nullptr ? rms_rstd(row) : ln_stats(row).rstd; }
 };
 
-// ---- LayerNorm statistics as row operands (RowOf<Stat>, epilogue.cuh), finished from the partials ----
+// ---- LayerNorm statistics as row values, finished once per row by a RowStage ----
 // Forward: z = r (O W^T) - (r mu) c + b' reads LnRstd and LnRstdMean. Backward (scaled form, fused.cuh:
 // the dgrad accumulator is D' = r du): dh = D' (.) gamma - k h + e reads LnBackwardK and LnBackwardE;
-// dgamma = colsum(D' (.) (h - mu)) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd.
-struct LnRstd {
+// dgamma = colsum(D' (.) (h - mu)) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd. A program that
+// reads them starts with RowStage<LnRows> (or RowStage<LnBackwardRows> for k and e), which finishes the
+// partials once per row (each reader finishing them again cost ~18% of the LM head's samples, ncu), and
+// reads them as RowOf<LnRstd> etc.
+using LnRstd = epi::Staged<0>;
+using LnRstdMean = epi::Staged<1>;
+using LnMean = epi::Staged<2>;
+using LnInvRstd = epi::Staged<3>;
+using LnBackwardK = epi::Staged<4>;
+using LnBackwardE = epi::Staged<5>;
+
+struct LnRows {
+  static constexpr int kValues = 4;
   NormPartials stats;
-  CODA_HD float operator()(int row) const { return stats.ln_stats(row).rstd; }
-};
-struct LnRstdMean {
-  NormPartials stats;
-  CODA_HD float operator()(int row) const {
+  CODA_HD void operator()(int row, float* values) const {
     const LnStats st = stats.ln_stats(row);
-    return st.rstd * st.mean;
+    values[0] = st.rstd, values[1] = st.rstd * st.mean, values[2] = st.mean, values[3] = 1.0f / st.rstd;
   }
-};
-struct LnMean {
-  NormPartials stats;
-  CODA_HD float operator()(int row) const { return stats.ln_stats(row).mean; }
-};
-struct LnInvRstd {
-  NormPartials stats;
-  CODA_HD float operator()(int row) const { return 1.0f / stats.ln_stats(row).rstd; }
 };
 
 // The row partials of a LayerNorm backward's three dots, taken on the unscaled dz by its producer:
@@ -105,20 +111,19 @@ struct LnDots {
   float* c = nullptr;
   float* b = nullptr;
   int count = 0;
-  CODA_HD LnBackwardCoefs coefs(const NormPartials& stats, int row) const {
-    const size_t at = static_cast<size_t>(row) * count;
-    return ln_backward_coefs(c + at, z + at, b + at, count, stats.ln_stats(row), stats.d);
+};
+
+struct LnBackwardRows {
+  static constexpr int kValues = 6;
+  NormPartials stats;
+  LnDots dots;
+  CODA_HD void operator()(int row, float* values) const {
+    LnRows{stats}(row, values);
+    const size_t at = static_cast<size_t>(row) * dots.count;
+    const LnBackwardCoefs k = ln_backward_coefs(dots.c + at, dots.z + at, dots.b + at, dots.count,
+                                                LnStats{values[2], values[0]}, stats.d);
+    values[4] = k.tile_coef, values[5] = k.row_add;
   }
-};
-struct LnBackwardK {
-  NormPartials stats;
-  LnDots dots;
-  CODA_HD float operator()(int row) const { return dots.coefs(stats, row).tile_coef; }
-};
-struct LnBackwardE {
-  NormPartials stats;
-  LnDots dots;
-  CODA_HD float operator()(int row) const { return dots.coefs(stats, row).row_add; }
 };
 
 // Sum over the 16-row groups of a column partial buffer [groups, ld].

@@ -9,6 +9,8 @@
 //   end_rows(ctx, lanes)   after the last Frag: finish per-row reductions and write partials.
 // A Program<P1, P2, ...> calls the hooks of its primitives in list order, so a program reads like the
 // math: Program<RowBroadcast<Mul>, ColBroadcast<Add>, Elementwise<Gelu>> is gelu(r_i * acc_ij + b_j).
+// A RowStage at the head of a program has a fourth hook, stage_rows: it finishes row values that several
+// later primitives read (e.g. LayerNorm statistics) once per row, into the context they get.
 // After the program, the GEMM stores the frag values as the main output (plain or accumulate-store).
 //
 // Rows per thread: on the GPU a thread owns two rows of each 64-row block (ctx.rows[0..1], "slots"); on
@@ -92,6 +94,10 @@ struct RowCtx {
   // Output columns per accumulator column for the primitive whose begin_rows gets this context:
   // expand / stride, as in Frag (Program updates them along its list).
   int expand = 1, stride = 1;
+  // Row values finished by a program's RowStage for the primitives after it (staged[k][slot], read
+  // through RowOf<Staged<k>>): a statistic that several primitives read is finished once per row.
+  static constexpr int kMaxStaged = 6;
+  float staged[kMaxStaged][kMaxSlots] = {};
   // Slot s is in use. Loops over slots run to the constant kMaxSlots and test this, so the compiler
   // unrolls them and keeps per-slot state in registers (a loop to num_slots, around a loop of unknown
   // length such as a sum of partials, stayed rolled and put the state in local memory).
@@ -413,8 +419,19 @@ struct ColVectorOf : NoTiles {
 };
 using ColVector = ColVectorOf<float>;
 
+// Row value k of the program's RowStage (below), as the stage left it in the context.
+template <int k>
+struct Staged {
+  static_assert(k < RowCtx::kMaxStaged, "RowCtx::kMaxStaged staged row values at most");
+};
+template <class Stat>
+CODA_HD float row_value(const Stat& stat, const RowCtx& ctx, int s) { return stat(ctx.rows[s]); }
+template <int k>
+CODA_HD float row_value(const Staged<k>&, const RowCtx& ctx, int s) { return ctx.staged[k][s]; }
+
 // A per-row value: stat(row) evaluated once per row as the rows begin (0 on rows >= M). Stat is a loaded
-// vector (RowVector) or a statistic finished from a producer's partials (norm_stats.cuh).
+// vector (RowVector), a statistic finished from a producer's partials (norm_stats.cuh), or a value that
+// the program's RowStage finished (Staged<k>).
 template <class Stat>
 struct RowOf : NoTiles {
   Stat stat;
@@ -422,7 +439,7 @@ struct RowOf : NoTiles {
   CODA_HD RowOf(const Stat& s) : stat(s) {}  // implicit: RowBroadcast<Op, RowOf<S>>(stat)
   CODA_HD void begin_rows(const RowCtx& ctx) {
     for (int s = 0; s < RowCtx::kMaxSlots; ++s)
-      if (ctx.has_slot(s)) value[s] = ctx.rows[s] < ctx.M ? stat(ctx.rows[s]) : 0.0f;
+      if (ctx.has_slot(s)) value[s] = ctx.rows[s] < ctx.M ? row_value(stat, ctx, s) : 0.0f;
   }
   CODA_HD void load(const Frag& f, const RowCtx&, float* x) const {
     CODA_FOR_VALUES(i, f) x[i] = value[f.slot];
@@ -488,15 +505,36 @@ struct Difference {
 // Empty hooks; each primitive overrides the ones it needs. kColsPerOut: accumulator columns per output
 // column after this primitive (2 for a 2->1 map); kOutsPerCol: output columns per accumulator column
 // (2 for a 1->2 map); kTileInputs: 1 + the highest tile input it reads (0: none).
+// kVisits: whether it works on fragments (false for a RowStage). stage_rows: see RowStage.
 struct Primitive : NoTiles {
   static constexpr int kColsPerOut = 1;
   static constexpr int kOutsPerCol = 1;
+  static constexpr bool kVisits = true;
+  CODA_HD void stage_rows(RowCtx&) const {}
   CODA_HD void begin_rows(const RowCtx&) {}
   CODA_HD void visit(Frag&, const RowCtx&) {}
   template <class Lanes>
   CODA_HD void end_rows(const RowCtx&, const Lanes&) {}
 };
 
+// Row stage: finishes Stat's kValues row values once per row (stat(row, values); 0 on rows >= M) into
+// ctx.staged for the primitives after it, which read value k as RowOf<Staged<k>> (the LayerNorm
+// statistics and backward coefficients, each read by several primitives: finished once instead of once
+// per reader, norm_stats.cuh). Its stat's loads are all issued before their sums.
+template <class Stat>
+struct RowStage : Primitive {
+  static constexpr bool kVisits = false;
+  Stat stat;
+  CODA_HD explicit RowStage(const Stat& s) : stat(s) {}
+  CODA_HD void stage_rows(RowCtx& ctx) const {
+    for (int s = 0; s < RowCtx::kMaxSlots; ++s) {
+      if (!ctx.has_slot(s)) break;
+      float values[Stat::kValues] = {};
+      if (ctx.rows[s] < ctx.M) stat(ctx.rows[s], values);
+      for (int k = 0; k < Stat::kValues; ++k) ctx.staged[k][s] = values[k];
+    }
+  }
+};
 
 // Row broadcast: v = op(v, x[row]) for a row operand x (above): a loaded vector (RowVector: RMSNorm
 // rstd, LayerNorm mean, ...) or a statistic finished from partials as the rows begin (norm_stats.cuh).
@@ -873,7 +911,7 @@ struct Program<> : Primitive {
 
 template <class P, class... Rest>
 struct Program<P, Rest...> {
-  static constexpr int kLength = 1 + Program<Rest...>::kLength;  // primitives in the list
+  static constexpr int kLength = (P::kVisits ? 1 : 0) + Program<Rest...>::kLength;  // primitives that visit
   static constexpr int kColsPerOut = P::kColsPerOut * Program<Rest...>::kColsPerOut;
   static constexpr int kOutsPerCol = P::kOutsPerCol * Program<Rest...>::kOutsPerCol;
   static constexpr int kTileInputs = max_of(P::kTileInputs, Program<Rest...>::kTileInputs);
@@ -888,8 +926,9 @@ struct Program<P, Rest...> {
     tail.collect_tiles(sources);
   }
   CODA_HD void begin_rows(const RowCtx& ctx) {
-    head.begin_rows(ctx);
     RowCtx next = ctx;
+    head.stage_rows(next);
+    head.begin_rows(next);
     next.expand *= P::kOutsPerCol;
     next.stride *= P::kColsPerOut;
     tail.begin_rows(next);
