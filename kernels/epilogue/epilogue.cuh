@@ -100,7 +100,8 @@ struct RowCtx {
   float staged[kMaxStaged][kMaxSlots] = {};
   // Slot s is in use. Loops over slots run to the constant kMaxSlots and test this, so the compiler
   // unrolls them and keeps per-slot state in registers (a loop to num_slots, around a loop of unknown
-  // length such as a sum of partials, stayed rolled and put the state in local memory).
+  // length such as a sum of partials, stayed rolled and put the state in local memory; around two such
+  // loops, a constant-trip loop needs the unroll pragma too).
   CODA_HD bool has_slot(int s) const { return s < num_slots; }
 };
 
@@ -438,7 +439,7 @@ struct RowOf : NoTiles {
   float value[2] = {0.0f, 0.0f};
   CODA_HD RowOf(const Stat& s) : stat(s) {}  // implicit: RowBroadcast<Op, RowOf<S>>(stat)
   CODA_HD void begin_rows(const RowCtx& ctx) {
-    for (int s = 0; s < RowCtx::kMaxSlots; ++s)
+    CODA_UNROLL for (int s = 0; s < RowCtx::kMaxSlots; ++s)
       if (ctx.has_slot(s)) value[s] = ctx.rows[s] < ctx.M ? row_value(stat, ctx, s) : 0.0f;
   }
   CODA_HD void load(const Frag& f, const RowCtx&, float* x) const {
@@ -527,11 +528,10 @@ struct RowStage : Primitive {
   Stat stat;
   CODA_HD explicit RowStage(const Stat& s) : stat(s) {}
   CODA_HD void stage_rows(RowCtx& ctx) const {
-    for (int s = 0; s < RowCtx::kMaxSlots; ++s) {
-      if (!ctx.has_slot(s)) break;
+    CODA_UNROLL for (int s = 0; s < RowCtx::kMaxSlots; ++s) if (ctx.has_slot(s)) {
       float values[Stat::kValues] = {};
       if (ctx.rows[s] < ctx.M) stat(ctx.rows[s], values);
-      for (int k = 0; k < Stat::kValues; ++k) ctx.staged[k][s] = values[k];
+      CODA_UNROLL for (int k = 0; k < Stat::kValues; ++k) ctx.staged[k][s] = values[k];
     }
   }
 };
