@@ -5,7 +5,10 @@
 // once per token, a parameter vector once). Two timings per kernel, both medians after warm-up:
 //  * back-to-back (the headline, how a training step runs them): 12 launches in a row between two
 //    events, divided by 12; the launches rotate over enough copies of the inputs (>= 200 MB in all)
-//    that no launch finds its inputs in the 50 MB L2;
+//    that no launch finds its inputs in the 50 MB L2. The kernels are launched with programmatic
+//    dependent launch (kernels/launch.cuh), so each launch's scheduling overlaps the previous launch's
+//    tail, as it does in a step wherever an unfused kernel follows another (after a cuBLASLt GEMM or an
+//    attention kernel, launched without PDL, only the launch itself overlaps);
 //  * isolated: one launch between two events after a 512 MB memset that evicts the L2; this adds the
 //    launch latency (a few microseconds), which dominates the smallest kernels.
 // Target: back-to-back >= 80% of 4.2 TB/s (ANCHORS.md) for each kernel.

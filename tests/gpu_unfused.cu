@@ -162,6 +162,30 @@ TEST(GpuUnfused, BiasAddAndBiasGradient) {
   }
 }
 
+// The kernels are launched with programmatic dependent launch (kernels/launch.cuh): each may be scheduled
+// while the previous one still runs and must wait for it before touching memory. A chain in which every
+// launch reads what the one before wrote (x += 1, then out += column sums of x, 32 times, 3 MB per launch)
+// on small integers, where every sum is exact in bf16 and fp32, so any launch that ran early shows.
+TEST(GpuUnfused, BackToBackLaunchesKeepStreamOrder) {
+  SKIP_WITHOUT_GPU();
+  coda::Rng rng(9);
+  const int N = 4096, C = 768, rounds = 32;
+  ColumnSums column_sums(C);
+  std::vector<float> x(static_cast<size_t>(N) * C), ones(x.size(), 1.0f), out(C, 0.0f);
+  for (float& v : x) v = static_cast<float>(static_cast<int>(rng.below(9)) - 4);
+  DeviceBuffer<bf16> d_x(x), d_ones(ones);
+  DeviceBuffer<float> d_out(out);
+  for (int k = 1; k <= rounds; ++k) {
+    uf::residual_add(d_x.get(), d_x.get(), d_ones.get(), x.size(), 0);
+    uf::column_sum(d_out.get(), d_x.get(), N, C, C, column_sums.ws(), 0);
+    for (size_t i = 0; i < x.size(); ++i) out[i % C] += x[i] + static_cast<float>(k);
+  }
+  const std::vector<float> got = d_out.download();
+  int wrong = 0;
+  for (int j = 0; j < C; ++j) wrong += got[j] != out[j];
+  EXPECT_EQ(wrong, 0) << "column 0: " << got[0] << " vs " << out[0];
+}
+
 TEST(GpuUnfused, ResidualGeluSwiglu) {
   SKIP_WITHOUT_GPU();
   coda::Rng rng(4);

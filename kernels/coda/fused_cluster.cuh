@@ -15,7 +15,7 @@
 #include <string>
 #include <utility>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 
 namespace coda::fused {
 
@@ -38,18 +38,10 @@ void launch_clustered(void (*kernel)(Params...), int cluster_blocks, int blocks_
                       Args&&... args) {
   if (blocks_y > 65535)
     throw std::invalid_argument("launch_clustered: " + std::to_string(blocks_y) + " blocks along y exceed 65535");
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned int>(cluster_blocks), static_cast<unsigned int>(blocks_y));
-  config.blockDim = dim3(static_cast<unsigned int>(threads));
-  config.stream = stream;
-  cudaLaunchAttribute cluster_shape;
-  cluster_shape.id = cudaLaunchAttributeClusterDimension;
-  cluster_shape.val.clusterDim.x = static_cast<unsigned int>(cluster_blocks);
-  cluster_shape.val.clusterDim.y = 1;
-  cluster_shape.val.clusterDim.z = 1;
-  config.attrs = &cluster_shape;
-  config.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  launch_kernel(kernel,
+                {dim3(static_cast<unsigned int>(cluster_blocks), static_cast<unsigned int>(blocks_y)),
+                 dim3(static_cast<unsigned int>(threads)), 0, static_cast<unsigned int>(cluster_blocks)},
+                stream, std::forward<Args>(args)...);
 }
 
 }  // namespace coda::fused

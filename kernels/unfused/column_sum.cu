@@ -9,12 +9,21 @@
 // last ticket sums the slabs' partials in slab order and adds them to `out`. The float additions therefore
 // happen in an order fixed by the launch shape alone: results are bitwise reproducible. Slabs are sized so
 // the grid is exactly the blocks that fit on the device at once: one wave (a second, partial wave of a few
-// blocks cost 15% at [N, 2304]), and the last block's serial work stays short.
+// blocks cost 15% at [N, 2304]), and the last block's serial work stays short: it reads every slab's partial
+// in one round of loads (12 per warp; 8, two rounds at the 88 slabs of [N, 768], cost 0.6 us more).
+//
+// What [N, 768] (GPT-2's 50 MB bias gradients) costs, H200, PDL launches back to back (docs/PERFORMANCE.md,
+// session 5): the main pass with its partial stores 14.4 us (83% of 4.2 TB/s), the finish 1.9 us more (a
+// ticket round trip to L2, one round of partial loads, the store), 16.4 us in all (73%). A deterministic
+// cross-block sum needs those two L2 round trips after the last block's main pass; variants that shortened
+// the chain (clusters summing 4 or 8 slabs through distributed shared memory first, whole rows per block)
+// were slower.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -24,9 +33,9 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kTileCols = 256;  // 32 lanes x 8 columns
-constexpr int kMaxSlabs = 128;
+constexpr int kMaxSlabs = 96;
 constexpr int kRowsInFlight = 16;  // per warp (16 bytes per lane each)
-constexpr int kSlabsInFlight = 8;  // per warp, when the last block sums the partials
+constexpr int kSlabsInFlight = 12;  // per warp, when the last block sums the partials: all kMaxSlabs in one round
 
 // One 16-byte packet of the summed matrix, with the L2 told to fetch the whole aligned 256 bytes around it
 // from DRAM (.L2::256B: the warp wants all 512 bytes of its row piece anyway). Bitwise the same result;
@@ -62,6 +71,7 @@ __device__ __forceinline__ float sum_over_warps(float (&red)[kWarps][kTileCols],
 __global__ void __launch_bounds__(kWarps * 32) column_sum_kernel(float* out, const bf16* x, int rows, int cols, int ld,
                                                                  int rows_per_slab, float* partials,
                                                                  unsigned int* tickets) {
+  start_after_previous_kernel();
   __shared__ __align__(16) float red[kWarps][kTileCols];
   __shared__ bool last_block;
   const int tile = blockIdx.x, slab = blockIdx.y, slabs = gridDim.y;
@@ -144,9 +154,8 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
   const int slabs_wanted = std::max(1, std::min({target_slabs, rows / (kRowsInFlight * kWarps), kMaxSlabs}));
   const int rows_per_slab = (rows + slabs_wanted - 1) / slabs_wanted;
   const int slabs = (rows + rows_per_slab - 1) / rows_per_slab;
-  column_sum_kernel<<<dim3(tiles, slabs), kWarps * 32, 0, stream>>>(out, x, rows, cols, ld, rows_per_slab, ws.partials,
-                                                                    ws.tickets);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(column_sum_kernel, after_previous(dim3(tiles, slabs), kWarps * 32), stream, out, x, rows, cols, ld,
+                rows_per_slab, ws.partials, ws.tickets);
 }
 
 }  // namespace coda::unfused

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -59,6 +60,7 @@ __device__ __forceinline__ void absorb(MaxSum& acc, const float (&v)[kCount]) {
 __global__ void __launch_bounds__(kForwardThreads) crossentropy_forward_kernel(float* losses, float* lse_out,
                                                                               const bf16* logits,
                                                                               const int32_t* targets, int V, int Vp) {
+  start_after_previous_kernel();
   __shared__ MaxSum warp_results[kForwardThreads / 32];
   const int n = blockIdx.x;
   const bf16* row = logits + static_cast<size_t>(n) * Vp;
@@ -103,6 +105,7 @@ __global__ void __launch_bounds__(kForwardThreads) crossentropy_forward_kernel(f
 __global__ void __launch_bounds__(256) crossentropy_backward_kernel(bf16* dlogits, const bf16* logits,
                                                                    const float* lse, const int32_t* targets,
                                                                    float dloss, int N, int V, int Vp) {
+  start_after_previous_kernel();
   const size_t idx = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int packets = Vp / 8;
   if (idx >= static_cast<size_t>(N) * packets) return;
@@ -124,17 +127,16 @@ __global__ void __launch_bounds__(256) crossentropy_backward_kernel(bf16* dlogit
 void crossentropy_forward(float* losses, float* lse, const bf16* logits, const int32_t* targets, int N, int V, int Vp,
                           cudaStream_t stream) {
   if (N == 0) return;
-  crossentropy_forward_kernel<<<N, kForwardThreads, 0, stream>>>(losses, lse, logits, targets, V, Vp);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(crossentropy_forward_kernel, after_previous(N, kForwardThreads), stream, losses, lse, logits, targets,
+                V, Vp);
 }
 
 void crossentropy_backward(bf16* dlogits, const bf16* logits, const float* lse, const int32_t* targets, float dloss,
                            int N, int V, int Vp, cudaStream_t stream) {
   const size_t threads = static_cast<size_t>(N) * (Vp / 8);
   if (threads == 0) return;
-  crossentropy_backward_kernel<<<blocks_for(threads, 256), 256, 0, stream>>>(dlogits, logits, lse, targets, dloss, N,
-                                                                             V, Vp);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(crossentropy_backward_kernel, after_previous(blocks_for(threads, 256), 256), stream, dlogits, logits,
+                lse, targets, dloss, N, V, Vp);
 }
 
 }  // namespace coda::unfused

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -23,6 +24,7 @@ namespace {
 
 template <typename Op>
 __global__ void __launch_bounds__(256) packet_kernel(size_t packets, Op op) {
+  start_after_previous_kernel();
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < packets) op(i);
 }
@@ -30,8 +32,7 @@ __global__ void __launch_bounds__(256) packet_kernel(size_t packets, Op op) {
 template <typename Op>
 void launch_packets(size_t packets, const Op& op, cudaStream_t stream) {
   if (packets == 0) return;
-  packet_kernel<<<blocks_for(packets, 256), 256, 0, stream>>>(packets, op);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(packet_kernel<Op>, after_previous(blocks_for(packets, 256), 256), stream, packets, op);
 }
 
 void require_multiple_of_8(size_t n, const char* what) {

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(kForwardWarps * 32) embedding_forward_kernel(b
                                                                                const bf16* __restrict__ wte,
                                                                                const bf16* __restrict__ wpe, int N,
                                                                                int T, int C) {
+  start_after_previous_kernel();
   const int lane = threadIdx.x % 32, chunks = C / 8, all_warps = gridDim.x * kForwardWarps;
   int row = blockIdx.x * kForwardWarps + threadIdx.x / 32;
   int token = row < N ? tokens[row] : 0;
@@ -119,6 +121,7 @@ template <int kChunks>
 __global__ void __launch_bounds__(kBackwardWarps * 32, kChunks <= 3 ? 24 / kBackwardWarps : 1)
     embedding_backward_kernel(float* __restrict__ dwte, float* __restrict__ dwpe, const bf16* __restrict__ dx,
                               const int32_t* __restrict__ buckets, int num_buckets, int B, int T, int C) {
+  start_after_previous_kernel();
   const int N = B * T, positions = dwpe != nullptr ? T : 0;
   const int32_t* rows = buckets;
   const int32_t* start = buckets + N;
@@ -146,8 +149,7 @@ void embedding_forward(bf16* x, const int32_t* tokens, const bf16* wte, const bf
     int per_sm = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kForwardWarps * 32, 0));
     const int blocks = std::max(1, std::min(std::max(1, per_sm) * sm_count(), (N + kForwardWarps - 1) / kForwardWarps));
-    kernel<<<blocks, kForwardWarps * 32, 0, stream>>>(x, tokens, wte, wpe, N, T, C);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(kernel, after_previous(blocks, kForwardWarps * 32), stream, x, tokens, wte, wpe, N, T, C);
   });
 }
 
@@ -188,10 +190,9 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dx, const int32_t*
   const int items = num_buckets + (dwpe != nullptr ? T : 0);
   if (items == 0) return;
   dispatch_chunks(C, "embedding_backward", [&](auto chunks) {
-    embedding_backward_kernel<decltype(chunks)::value>
-        <<<blocks_for(items, kBackwardWarps), kBackwardWarps * 32, 0, stream>>>(dwte, dwpe, dx, buckets, num_buckets,
-                                                                               B, T, C);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(embedding_backward_kernel<decltype(chunks)::value>,
+                  after_previous(blocks_for(items, kBackwardWarps), kBackwardWarps * 32), stream, dwte, dwpe, dx,
+                  buckets, num_buckets, B, T, C);
   });
 }
 

@@ -33,6 +33,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/sm90/sm90.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
@@ -55,6 +56,7 @@ template <int kChunks, bool kLayerNorm>
 __global__ void __launch_bounds__(kForwardWarps * 32) norm_forward_kernel(bf16* y, float* mean_out, float* rstd_out,
                                                                           const bf16* x, const bf16* w, const bf16* b,
                                                                           int N, int C, float eps) {
+  start_after_previous_kernel();
   constexpr bool kHoist = kChunks == 8;
   const int lane = threadIdx.x % 32, all_warps = gridDim.x * kForwardWarps;
   const int chunks = C / 8;
@@ -143,6 +145,7 @@ __global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* d
                                                                          const bf16* dy, const bf16* x, const bf16* w,
                                                                          const float* mean, const float* rstd, int N,
                                                                          int C, int group_threads, bool accumulate) {
+  start_after_previous_kernel();
   constexpr int kStats = kLayerNorm ? 2 : 1;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t full[kMaxGroups][kStages];
@@ -306,8 +309,7 @@ void launch_forward(bf16* y, float* mean, float* rstd, const bf16* x, const bf16
     const int blocks = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(1, per_sm)) * sm_count(),
                                                          blocks_for(N, kForwardWarps)));
     if (blocks == 0) return;
-    kernel<<<blocks, kForwardWarps * 32, 0, stream>>>(y, mean, rstd, x, w, b, N, C, eps);
-    CUDA_CHECK_LAUNCH();
+    launch_kernel(kernel, after_previous(blocks, kForwardWarps * 32), stream, y, mean, rstd, x, w, b, N, C, eps);
   });
 }
 
@@ -333,9 +335,8 @@ void launch_backward(bf16* dx, float* dw, float* db, const bf16* dy, const bf16*
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
   const int blocks = std::max(1, std::min({std::max(1, per_sm) * sm_count(), (N + groups - 1) / groups,
                                            kMaxBackwardBlocks}));
-  kernel<<<blocks, threads, smem, stream>>>(dx, partials, dw, db, ws.tickets, dy, x, w, mean, rstd, N, C,
-                                            group_threads, accumulate);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(kernel, after_previous(blocks, threads, smem), stream, dx, partials, dw, db, ws.tickets, dy, x, w, mean,
+                rstd, N, C, group_threads, accumulate);
 }
 
 }  // namespace

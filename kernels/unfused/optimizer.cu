@@ -15,6 +15,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -32,6 +33,7 @@ struct AdamWConstants {
 __global__ void __launch_bounds__(256) adamw_kernel(float* params, bf16* params_bf16, float* m, float* v,
                                                    const float* grads, const uint8_t* decay, size_t packets,
                                                    AdamWConstants k) {
+  start_after_previous_kernel();
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= packets) return;
   const float4 p4 = reinterpret_cast<const float4*>(params)[i], m4 = reinterpret_cast<const float4*>(m)[i];
@@ -59,6 +61,7 @@ __global__ void __launch_bounds__(256) adamw_kernel(float* params, bf16* params_
 
 __global__ void __launch_bounds__(kSumsqThreads) sumsq_kernel(float* result, const float* g, size_t packets,
                                                              float* partials, unsigned int* ticket) {
+  start_after_previous_kernel();
   __shared__ float scratch[32];
   __shared__ bool last_block;
   float sum = 0.0f;
@@ -84,6 +87,7 @@ __global__ void __launch_bounds__(kSumsqThreads) sumsq_kernel(float* result, con
 }
 
 __global__ void __launch_bounds__(256) convert_kernel(bf16* dst, const float* src, size_t packets) {
+  start_after_previous_kernel();
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= packets) return;
   float v[8];
@@ -101,8 +105,7 @@ void grad_sumsq(float* result, const float* g, size_t n, float* partials, unsign
   const int blocks = static_cast<int>(std::max<size_t>(
       1, std::min<size_t>({static_cast<size_t>(sm_count()) * 4, static_cast<size_t>(kMaxSumsqBlocks),
                            (packets + kSumsqThreads - 1) / kSumsqThreads})));
-  sumsq_kernel<<<blocks, kSumsqThreads, 0, stream>>>(result, g, packets, partials, ticket);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(sumsq_kernel, after_previous(blocks, kSumsqThreads), stream, result, g, packets, partials, ticket);
 }
 
 void adamw(float* params, bf16* params_bf16, float* m, float* v, const float* grads, const uint8_t* decay, size_t n,
@@ -118,15 +121,14 @@ void adamw(float* params, bf16* params_bf16, float* m, float* v, const float* gr
                          static_cast<float>(1.0 - std::pow(static_cast<double>(step.beta1), step.step)),
                          static_cast<float>(1.0 - std::pow(static_cast<double>(step.beta2), step.step))};
   const size_t packets = n / 4;
-  adamw_kernel<<<blocks_for(packets, 256), 256, 0, stream>>>(params, params_bf16, m, v, grads, decay, packets, k);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(adamw_kernel, after_previous(blocks_for(packets, 256), 256), stream, params, params_bf16, m, v, grads,
+                decay, packets, k);
 }
 
 void convert_to_bf16(bf16* dst, const float* src, size_t n, cudaStream_t stream) {
   if (n % 8 != 0) throw std::invalid_argument("convert_to_bf16: n = " + std::to_string(n) + " must be a multiple of 8");
   if (n == 0) return;
-  convert_kernel<<<blocks_for(n / 8, 256), 256, 0, stream>>>(dst, src, n / 8);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(convert_kernel, after_previous(blocks_for(n / 8, 256), 256), stream, dst, src, n / 8);
 }
 
 }  // namespace coda::unfused

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
 
@@ -22,6 +23,7 @@ namespace {
 
 __global__ void __launch_bounds__(256) rope_kernel(bf16* qkv, const float2* table, int N, int T, int rotated_packets,
                                                    int row_len, int hd, float direction) {
+  start_after_previous_kernel();
   const size_t idx = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<size_t>(N) * rotated_packets) return;
   const int n = static_cast<int>(idx / rotated_packets), col = static_cast<int>(idx % rotated_packets) * 8;
@@ -61,9 +63,8 @@ void rope(bf16* qkv, const float2* table, int B, int T, int n_head, int n_kv_hea
   const int rotated_packets = (n_head + n_kv_head) * hd / 8;
   const int row_len = (n_head + 2 * n_kv_head) * hd;
   const size_t threads = static_cast<size_t>(B) * T * rotated_packets;
-  rope_kernel<<<blocks_for(threads, 256), 256, 0, stream>>>(qkv, table, B * T, T, rotated_packets, row_len, hd,
-                                                            inverse ? -1.0f : 1.0f);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(rope_kernel, after_previous(blocks_for(threads, 256), 256), stream, qkv, table, B * T, T,
+                rotated_packets, row_len, hd, inverse ? -1.0f : 1.0f);
 }
 
 }  // namespace coda::unfused

@@ -2,7 +2,9 @@
 // framework runs eagerly, written to run at memory bandwidth. This is the baseline the CODA mode is
 // measured against, so each kernel is as fast as a standalone kernel can be: 16-byte vector access,
 // coalesced rows, one pass over each tensor where the math allows, fp32 arithmetic and statistics,
-// deterministic reductions (per-block partials finished in a fixed order, never float atomics).
+// deterministic reductions (per-block partials finished in a fixed order, never float atomics). Every
+// kernel is launched with programmatic dependent launch and waits for the previous kernel before its first
+// memory access (kernels/launch.cuh): the stream order of the data is unchanged, the launch gaps shrink.
 //
 // Conventions: row-major bf16 activations with N = B*T token rows; fp32 gradients of parameters in the
 // flat layout of model.hpp; every row length (C, OC, F, qkv_dim, Vp) and every pointer a multiple of 8
