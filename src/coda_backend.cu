@@ -14,7 +14,7 @@ CodaBackend::CodaBackend(const ModelConfig& config, int max_batch, int max_seq_l
       norm2_stats_(config.n_layer) {}
 
 void CodaBackend::plan_buffers(ArenaPlan& plan) {
-  CudaBackend::plan_buffers(plan);
+  plan_shared_buffers(plan);
   const size_t N = static_cast<size_t>(max_batch_) * max_seq_len_;
   const size_t count = max_row_partials(config_.d_model);
   const std::string group = "coda norm statistics (partials)";

@@ -121,6 +121,19 @@ CudaBackend::~CudaBackend() {
 }
 
 void CudaBackend::plan_buffers(ArenaPlan& plan) {
+  plan_shared_buffers(plan);
+  const size_t N = static_cast<size_t>(max_batch_) * max_seq_len_, C = config_.d_model;
+  const std::string scratch = "scratch";
+  plan.reserve(&scratch_.proj, N * C, scratch);
+  plan.reserve(&scratch_.d_norm, N * C, scratch);
+  const int max_cols = std::max({config_.d_model, config_.qkv_dim(), config_.d_ff});
+  plan.reserve(&scratch_.norm_partials, unfused::norm_backward_partials_floats(config_.d_model), scratch);
+  plan.reserve(&scratch_.column_sums.partials, unfused::column_sum_partials_floats(max_cols), scratch);
+  plan.reserve(&scratch_.column_sums.tickets, unfused::column_sum_tickets(max_cols), scratch);
+  scratch_.column_sums.max_cols = max_cols;
+}
+
+void CudaBackend::plan_shared_buffers(ArenaPlan& plan) {
   const ModelConfig& c = config_;
   const size_t P = layout_.total, N = static_cast<size_t>(max_batch_) * max_seq_len_;
   const size_t C = c.d_model, Q = c.qkv_dim(), F = c.d_ff, U = c.mlp_up_rows(), V = c.padded_vocab();
@@ -162,20 +175,13 @@ void CudaBackend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&acts_.targets, N, scratch);
   plan.reserve(&acts_.token_buckets, 3 * N + 1, scratch);
 
-  plan.reserve(&scratch_.proj, N * C, scratch);
   plan.reserve(&scratch_.d_residual, N * C, scratch);
-  plan.reserve(&scratch_.d_norm, N * C, scratch);
   plan.reserve(&scratch_.d_attn, N * C, scratch);
   plan.reserve(&scratch_.d_qkv, N * Q, scratch);
   plan.reserve(&scratch_.d_act, N * F, scratch);
   if (!gpt2_) plan.reserve(&scratch_.d_up, N * U, scratch);
   plan.reserve(reinterpret_cast<char**>(&scratch_.attention_workspace),
                attention_backward_workspace_bytes(attention_shape(max_batch_, max_seq_len_)), scratch);
-  const int max_cols = static_cast<int>(std::max({C, Q, F}));
-  plan.reserve(&scratch_.norm_partials, unfused::norm_backward_partials_floats(c.d_model), scratch);
-  plan.reserve(&scratch_.column_sums.partials, unfused::column_sum_partials_floats(max_cols), scratch);
-  plan.reserve(&scratch_.column_sums.tickets, unfused::column_sum_tickets(max_cols), scratch);
-  scratch_.column_sums.max_cols = max_cols;
   plan.reserve(&scratch_.sumsq_partials, unfused::grad_sumsq_partials_floats(), scratch);
   plan.reserve(&scratch_.sumsq_ticket, 1, scratch);
   plan.reserve(&scratch_.sumsq, 1, scratch);

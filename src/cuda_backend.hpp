@@ -136,16 +136,16 @@ class CudaBackend : public Backend {
     int num_token_buckets = 0;         // of the current batch
   };
   struct Scratch {
-    bf16* proj = nullptr;          // output of a residual-branch projection before its add [N, C]
+    bf16* proj = nullptr;          // unfused: output of a residual-branch projection before its add [N, C]
     bf16* d_residual = nullptr;    // gradient of the residual stream [N, C]
-    bf16* d_norm = nullptr;        // gradient of a norm output [N, C]
+    bf16* d_norm = nullptr;        // unfused: gradient of a norm output [N, C]
     bf16* d_attn = nullptr;        // [N, C]
     bf16* d_qkv = nullptr;         // [N, qkv_dim]
     bf16* d_act = nullptr;         // [N, d_ff]
     bf16* d_up = nullptr;          // [N, mlp_up_rows] (GPT-2: the same buffer as d_act, GELU runs in place)
     void* attention_workspace = nullptr;
-    float* norm_partials = nullptr;
-    unfused::ColumnSumWorkspace column_sums;
+    float* norm_partials = nullptr;  // unfused: norm backward's dw/db partials
+    unfused::ColumnSumWorkspace column_sums;  // unfused: bias gradients (and the norm backward's tickets)
     float* sumsq_partials = nullptr;
     unsigned int* sumsq_ticket = nullptr;
     float* sumsq = nullptr;
@@ -153,8 +153,13 @@ class CudaBackend : public Backend {
     uint8_t* decay = nullptr;      // one byte per 64 parameters: AdamW weight decay on / off
   };
 
-  // Reserves every buffer of this mode; an override calls this one first, then adds its own.
+  // Reserves every buffer of this mode: the shared ones, then the unfused mode's own scratch (its norm
+  // backward's and column sums' partials, the projection output and the norm-output gradient). A mode
+  // that derives from this one calls plan_shared_buffers first, then adds its own.
   virtual void plan_buffers(ArenaPlan& plan);
+  // Parameters, optimizer state, saved activations, the gradient buffers of the residual stream and the
+  // layers, attention and grad-norm workspaces, the RoPE table: what every GPU mode uses.
+  void plan_shared_buffers(ArenaPlan& plan);
   // The pieces of a step, on stream_ for B sequences of T tokens (N = B*T rows).
   virtual void embedding_forward(int B, int T);
   virtual void block_forward(int layer, int B, int T);
