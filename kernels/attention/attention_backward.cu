@@ -1,22 +1,34 @@
-// Backward of causal grouped-query attention, FlashAttention-2 style, on tensor cores (mma.sync
-// m16n8k16, bf16 operands, fp32 accumulate). Contract and layouts: attention.cuh; forward:
-// attention_forward.cu (it saves lse, the natural-log sum-exp of each query's scaled scores).
+// Backward of causal grouped-query attention for Hopper (sm_90a), FlashAttention-3 shaped: TMA loads, wgmma
+// tensor-core products, a producer warpgroup and two consumer warpgroups. Contract and layouts:
+// attention.cuh; forward: attention_forward.cu (it saves lse, the natural-log sum-exp of each query's
+// scaled scores).
 //
-// D = rowsum(dO * O) first (one small kernel; it also clears the fp32 dQ accumulator). Then one thread
-// block = one kv head x one block of 64 keys (16 per warp, 4 warps); it loops over every query head of
-// the kv head's group and every query block at or below the diagonal (blocks above it are skipped),
-// 64 queries at a time:
-//     P^T  = exp(scale*S^T - lse)         S^T = K Q^T (keys x queries, warp-local rows)
-//     dV  += P^T dO
-//     dP^T = V dO^T
-//     dS^T = P^T * (dP^T - D)
-//     dK  += dS^T Q                         (times scale at the end)
-//     dQ  += dS K                           (dS^T goes through shared memory; fp32 atomics into a buffer)
-// Summing over the group's query heads inside the block gives dK, dV of a kv head without atomics; dQ
-// is shared between kv blocks, hence the fp32 accumulator, converted (times scale) into dqkv at the end.
-// P^T and dS^T stay in registers as mma accumulators and are re-packed to bf16 as the A operand of the
-// next product. The Q/dO tiles of the next step are loaded (cp.async, double-buffered) while the
-// current one computes. Key blocks are scheduled by increasing key index (most query blocks first).
+// Three kernels (four with the CODA write-out):
+//  1. Prologue: per (b, h, t) row D = rowsum(dO * O) and lse * log2 e, fp32, in [B, n_head, T_pad] with T
+//     rounded up to whole 64-query steps (rows past T: D = 0, lse = +inf, so their P is exactly 0 and the
+//     main kernel needs no query-tail masking); it also clears the fp32 dQ accumulator [B, n_head, T, HD].
+//  2. Main kernel: one thread block = one kv head x 128 keys (64 per consumer warpgroup). Warpgroup 0 is the
+//     producer: one thread loads K and V once, then for every query head of the kv head's group and every
+//     64-query step at or below the diagonal (steps above it are never loaded) Q, dO (TMA, 128-byte
+//     swizzle) and lse, D (1-D bulk copies) into a ring of stages with "full" / "empty" mbarriers. Each
+//     consumer warpgroup, per step, on its 64 keys (transposed products, so that dK and dV are the
+//     accumulators and the A operands come from registers):
+//         S^T  = K Q^T, dP^T = V dO^T            (wgmma, both operands K-major in shared memory)
+//         P^T  = exp2(S^T scale log2 e - lse log2 e), zero where key > query (diagonal steps only)
+//         dV  += P^T dO                          (A = P^T re-packed to bf16 from the accumulator fragment)
+//         dS^T = P^T (dP^T - D)
+//         dK  += dS^T Q                          (A from registers; times scale at the end)
+//     and stores dS^T (bf16) into its 64 rows of a [128 keys][64 queries] tile. After a barrier of the two
+//     consumer warpgroups, dQ[step] += dS K over all 128 keys is split between them by 64-column chunks
+//     (hd 128: one chunk each per step; hd 64: the single chunk alternates by step), A = dS read
+//     transposed (MN-major) from the dS^T tile, B = K MN-major; the fp32 chunk is staged in shared memory
+//     and added into the dQ accumulator by the copy engine (cp.reduce.async.bulk.tensor .add). The dS^T
+//     tile is double-buffered across steps, so that one barrier per step orders its writes and reads.
+//     Summing over the group's query heads inside the block gives dK, dV of a kv head without atomics.
+//     On the first step of each head warpgroup 1's keys all come after all the queries: it skips its
+//     products and stores a zero dS^T. Key blocks are scheduled by increasing key index (most steps first).
+//  3. dQ conversion: dqkv[:, q heads] = scale * dQ accumulator in bf16 -- or, with a write-out, the CODA
+//     pass below that finishes whole packed rows of dqkv.
 //
 // The CODA write-out (writeout != nullptr; the contract and the math are in attention.cuh and
 // kernels/coda/fused.cuh) replaces the dQ conversion by a per-row pass that finishes whole packed rows of
@@ -30,12 +42,16 @@
 // without atomics; finally dqkv = r dz in bf16. Row dots are summed per thread over its chunks, then over
 // the warp (shuffles), then over the warps in a fixed order: deterministic, count 1.
 //
-// Tails: tiles are loaded with zero fill past row T. Zero keys past T are masked by causality for every
-// real query; query rows past T have zero dO and D, so they contribute nothing to dK, dV, and their dQ
-// is never stored.
+// Tails: qkv and dout are described to TMA as 3-D tensors [B][T][cols], so rows past T of a sequence are
+// zero-filled. Zero keys past T are masked by causality for every real query, and their dK, dV rows are
+// not stored; query rows past T have P = 0 (lse = +inf), and the dQ reduce-adds are clipped at T by the
+// accumulator's [B*n_head][T][HD] tensor map.
 //
-// Shared-memory tiles are row-major with 16-byte chunks XOR-swizzled by the row (chunk ^ row%8), so the
-// 8 row addresses of every ldmatrix (and the bf16x2 stores of dS) hit distinct banks.
+// Shared-memory tiles are what TMA writes with 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)),
+// 1024-byte aligned; the dS^T stores, the dQ staging (fp32 boxes of [64][32]) and the final dK / dV
+// staging (in the consumer's own rows of the K and V tiles, after both warpgroups are done with K) use
+// the same swizzle, so their bf16x2 / float2 stores spread over all banks. The wgmma descriptors and the
+// mbarrier / TMA wrappers are the GEMM's and the forward's (kernels/sm90/sm90.cuh).
 #include "kernels/attention/attention.cuh"
 #include "kernels/attention/attention_device.cuh"
 
@@ -53,323 +69,296 @@ namespace {
 
 using namespace attention_detail;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kBlockK = 16 * kWarps;  // keys per block (16 per warp)
-constexpr int kStepQ = 64;    // queries per inner step
-
-// Byte offset of element (row, col) of a swizzled row-major bf16 tile with COLS columns.
-template <int COLS>
-__device__ __forceinline__ uint32_t swz(int row, int col) {
-  static_assert(COLS == 64 || COLS == 128, "tile rows are 128 or 256 bytes");
-  return static_cast<uint32_t>((row * COLS + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7)) * 2);
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c += a * b, m16n8k16, a row-major 16x16, b "column" 16x8, c 16x8 fp32.
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Lane addresses for ldmatrix.x4 (lane l, i = l / 8 picks the 8x8 matrix, r = l % 8 its row). Operands of
-// m16n8k16: A is m x k (16x16), B is k x n (16 x 16 = two n8 tiles, fragments b[0],b[1] | b[2],b[3]).
-//   A from a tile stored [m][k] (plain):      row m = r + (i%2)*8, col k = (i/2)*8
-//   A from a tile stored [k][m] (transposed): row k = r + (i/2)*8, col m = (i%2)*8
-//   B from a tile stored [n][k] (plain):      row n = r + (i/2)*8, col k = (i%2)*8
-//   B from a tile stored [k][n] (transposed): row k = r + (i%2)*8, col n = (i/2)*8
-struct Lane {
-  int r, i;
-  __device__ Lane() : r(threadIdx.x & 7), i((threadIdx.x >> 3) & 3) {}
-  __device__ int a_row() const { return r + (i & 1) * 8; }
-  __device__ int a_col() const { return (i >> 1) * 8; }
-  __device__ int at_row() const { return r + (i >> 1) * 8; }
-  __device__ int at_col() const { return (i & 1) * 8; }
-  __device__ int b_row() const { return r + (i >> 1) * 8; }
-  __device__ int b_col() const { return (i & 1) * 8; }
-  __device__ int bt_row() const { return r + (i & 1) * 8; }
-  __device__ int bt_col() const { return (i >> 1) * 8; }
-};
-
-// acc (this warp's 16 rows x kStepQ columns) += A[warp rows][HD] B[kStepQ][HD]^T: the two keys x queries
-// products S^T = K Q^T and dP^T = V dO^T (A = K or V, B = Q or dO, swizzled [rows][HD] tiles).
+// Per (b, h, t) row of [B, n_head, T_pad] (T_pad: T rounded up to whole query steps): D = sum_d dO * O and
+// lse * log2 e, both fp32; rows past T get D = 0 and lse = +inf (so their P is exactly 0). One warp per row;
+// the warps of rows below T also clear their row of the dQ accumulator [B, n_head, T, HD].
 template <int HD>
-__device__ __forceinline__ void warp_rows_times_bt(float (&acc)[kStepQ / 8][4], uint32_t a_tile, uint32_t b_tile,
-                                                   int warp, const Lane& ln) {
-#pragma unroll
-  for (int kc = 0; kc < HD / 16; ++kc) {
-    uint32_t a[4];
-    ldsm_x4(a, a_tile + swz<HD>(warp * 16 + ln.a_row(), kc * 16 + ln.a_col()));
-#pragma unroll
-    for (int np = 0; np < kStepQ / 16; ++np) {
-      uint32_t b[4];
-      ldsm_x4(b, b_tile + swz<HD>(np * 16 + ln.b_row(), kc * 16 + ln.b_col()));
-      mma(acc[2 * np], a, b[0], b[1]);
-      mma(acc[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// The bf16 A fragment (16 x 16) of queries kc*16.. of a keys x queries accumulator (P^T or dS^T).
-__device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const float (&acc)[kStepQ / 8][4], int kc) {
-  a[0] = pack_bf16(acc[2 * kc][0], acc[2 * kc][1]);
-  a[1] = pack_bf16(acc[2 * kc][2], acc[2 * kc][3]);
-  a[2] = pack_bf16(acc[2 * kc + 1][0], acc[2 * kc + 1][1]);
-  a[3] = pack_bf16(acc[2 * kc + 1][2], acc[2 * kc + 1][3]);
-}
-
-// acc (16 x HD) += a (16 x 16) B[kc*16 .. kc*16+16][HD]: dV += P^T dO and dK += dS^T Q, one k step
-// (B = dO or Q, a swizzled [queries][HD] tile, read transposed).
-template <int HD>
-__device__ __forceinline__ void warp_a_times_b_rows(float (&acc)[HD / 8][4], const uint32_t (&a)[4], uint32_t b_tile,
-                                                    int kc, const Lane& ln) {
-#pragma unroll
-  for (int np = 0; np < HD / 16; ++np) {
-    uint32_t b[4];
-    ldsm_x4_trans(b, b_tile + swz<HD>(kc * 16 + ln.bt_row(), np * 16 + ln.bt_col()));
-    mma(acc[2 * np], a, b[0], b[1]);
-    mma(acc[2 * np + 1], a, b[2], b[3]);
-  }
-}
-
-// Loads rows [row0, row0 + ROWS) x COLS of a strided bf16 matrix with `rows` rows into a swizzled tile;
-// rows past the end are zero-filled (their source address is clamped to a valid row).
-template <int ROWS, int COLS>
-__device__ __forceinline__ void load_tile(uint32_t tile, const bf16* src, size_t stride, int row0, int rows) {
-  constexpr int kChunks = COLS / 8;
-  for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
-    const int r = c / kChunks, col = (c % kChunks) * 8;
-    const int row = row0 + r;
-    const bool valid = row < rows;
-    cp_async_16(tile + swz<COLS>(r, col), src + static_cast<size_t>(valid ? row : rows - 1) * stride + col, valid);
-  }
-}
-
-// Writes one warp's 16 x HD accumulator (fragments acc[n-tile][4], times `scale`) as bf16 into rows
-// [row0, row0+16) of a swizzled tile, then copies those rows to global rows [grow0, ...) < rows with
-// 16-byte stores. Only this warp's rows of the tile are touched.
-template <int HD>
-__device__ __forceinline__ void store_warp_rows(const float (&acc)[HD / 8][4], float scale_lo, float scale_hi,
-                                                unsigned char* tile, int row0, bf16* dst, size_t stride, int grow0,
-                                                int rows) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < HD / 8; ++nt) {
-    *reinterpret_cast<uint32_t*>(tile + swz<HD>(row0 + g, nt * 8 + 2 * t)) =
-        pack_bf16(acc[nt][0] * scale_lo, acc[nt][1] * scale_lo);
-    *reinterpret_cast<uint32_t*>(tile + swz<HD>(row0 + g + 8, nt * 8 + 2 * t)) =
-        pack_bf16(acc[nt][2] * scale_hi, acc[nt][3] * scale_hi);
-  }
-  __syncwarp();
-  constexpr int kChunks = HD / 8;
-#pragma unroll
-  for (int c = lane; c < 16 * kChunks; c += 32) {
-    const int r = c / kChunks, col = (c % kChunks) * 8;
-    if (grow0 + r < rows)
-      *reinterpret_cast<int4*>(dst + static_cast<size_t>(grow0 + r) * stride + col) =
-          *reinterpret_cast<const int4*>(tile + swz<HD>(row0 + r, col));
-  }
-}
-
-// D[b, h, t] = sum_d dO * O (fp32), one warp per (token, head) row; also clears the dQ accumulator.
-template <int HD>
-__global__ void attention_backward_prologue_kernel(float* dsum, float* dq_accum, const bf16* dout, const bf16* out,
-                                                   int B, int T, int n_head) {
-  const size_t row = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // (b*T + t)*n_head + h
+__global__ void attention_backward_prologue_kernel(float* lse2, float* dsum, float* dq_accum, const bf16* dout,
+                                                   const bf16* out, const float* lse, int B, int T, int T_pad,
+                                                   int n_head) {
+  const size_t row = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // (b*n_head + h)*T_pad + t
   const int lane = threadIdx.x & 31;
-  if (row >= static_cast<size_t>(B) * T * n_head) return;
+  if (row >= static_cast<size_t>(B) * n_head * T_pad) return;
+  const size_t bh = row / T_pad, t = row % T_pad;
+  if (t >= static_cast<size_t>(T)) {
+    if (lane == 0) dsum[row] = 0.f, lse2[row] = INFINITY;
+    return;
+  }
+  const size_t b = bh / n_head, h = bh % n_head, head_row = bh * T + t;  // [B, n_head, T]
   constexpr int kPerLane = HD / 32;
-  const bf16* o_row = out + row * HD + lane * kPerLane;
-  const bf16* d_row = dout + row * HD + lane * kPerLane;
+  const size_t token_head = ((b * T + t) * n_head + h) * HD + lane * kPerLane;  // [B, T, n_head, HD]
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < kPerLane; i += 2) {
-    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o_row + i));
-    const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d_row + i));
+    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + token_head + i));
+    const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + token_head + i));
     acc += o.x * d.x + o.y * d.y;
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  const size_t bt = row / n_head, b = bt / T, t = bt % T, h = row % n_head;
-  const size_t head_row = (b * n_head + h) * T + t;  // [B, n_head, T]
-  if (lane == 0) dsum[head_row] = acc;
+  if (lane == 0) dsum[row] = acc, lse2[row] = lse[head_row] * kLog2e;
   float* dq = dq_accum + head_row * HD + lane * kPerLane;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) dq[i] = 0.f;
 }
 
+// ---- the main kernel: TMA + wgmma, a producer warpgroup and two consumer warpgroups --------------------
+constexpr int kKeysPerWg = 64;              // keys of one consumer warpgroup (one wgmma M tile)
+constexpr int kBlockKeys = 2 * kKeysPerWg;  // keys per thread block
+constexpr int kStepQ = 64;                  // queries per pipeline step
+constexpr int kThreads = 384;               // producer warpgroup + 2 consumer warpgroups
+
 template <int HD>
-__global__ void __launch_bounds__(kThreads) attention_backward_kernel(bf16* dqkv, float* dq_accum, const bf16* dout,
-                                                                       const bf16* qkv, const float* lse,
-                                                                       const float* dsum, int T, int n_head,
-                                                                       int n_kv_head, float scale_log2) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int kTileKV = kBlockK * HD * 2, kTileQ = kStepQ * HD * 2, kTileS = kBlockK * kStepQ * 2;
-  unsigned char* k_tile = smem;
-  unsigned char* v_tile = smem + kTileKV;
-  const uint32_t sK = sm90::smem_u32(smem), sV = sK + kTileKV, sQ0 = sV + kTileKV, sdO0 = sQ0 + 2 * kTileQ,
-                 sdS = sdO0 + 2 * kTileQ, sStat0 = sdS + kTileS;  // stats: [buf][lse | D][kStepQ] fp32
-  const float* stats = reinterpret_cast<const float*>(smem + 2 * kTileKV + 4 * kTileQ + kTileS);
+struct Layout {
+  static constexpr int kStages = HD == 128 ? 2 : 3;       // Q / dO / lse / D ring
+  static constexpr int kKVBytes = kBlockKeys * HD * 2;     // the K (or V) tile: HD/64 boxes of [128 keys][64]
+  static constexpr int kStepBytes = kStepQ * HD * 2;       // the Q (or dO) tile of a step: HD/64 boxes [64][64]
+  static constexpr int kDsBytes = kBlockKeys * kStepQ * 2;  // dS^T of a step: [128 keys][64 queries]
+  static constexpr int kDqBytes = kStepQ * 64 * 4;         // one warpgroup's dQ chunk: 2 fp32 boxes [64][32]
+  static constexpr int kStatBytes = 2 * kStepQ * 4;        // lse * log2 e | D of a step
+  static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kStepBytes,
+                       kDS = kDO + kStages * kStepBytes, kDQ = kDS + 2 * kDsBytes, kStat = kDQ + 2 * kDqBytes,
+                       kBar = kStat + kStages * kStatBytes;
+  static constexpr int kSmem = kBar + 8 * (1 + 2 * kStages) + 1024;  // + slack to align the base to 1024
+};
+
+// acc[64 keys x 64 queries] = A[64 keys][HD] B[64 queries][HD]^T, both K-major swizzled tiles: S^T = K Q^T
+// and dP^T = V dO^T (a_rows: the warpgroup's first key row in box 0 of K or V).
+template <int HD>
+__device__ __forceinline__ void keys_times_queries(float (&acc)[kStepQ / 2], uint32_t a_rows, uint32_t b_tile) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const uint32_t box = kk / 4, kbyte = (kk % 4) * 32;
+    sm90::wgmma_m64n64k16<0, 0>(acc, sm90::sw128_descriptor(a_rows + box * kBlockKeys * 128 + kbyte, 16, 1024),
+                                sm90::sw128_descriptor(b_tile + box * kStepQ * 128 + kbyte, 16, 1024), kk > 0);
+  }
+}
+
+// acc[64 keys x HD] += a[64 keys x 64 queries] (bf16 fragments in registers) B[64 queries][HD] (MN-major):
+// dV += P^T dO and dK += dS^T Q.
+template <int HD>
+__device__ __forceinline__ void keys_times_step(float (&acc)[HD / 2], const uint32_t (&a)[kStepQ / 16][4],
+                                                uint32_t b_tile) {
+#pragma unroll
+  for (int kc = 0; kc < kStepQ / 16; ++kc) {
+    const uint64_t desc = sm90::sw128_descriptor(b_tile + kc * 16 * 128, kStepQ * 128, 1024);
+    if constexpr (HD == 128)
+      sm90::wgmma_m64n128k16_rs<1>(acc, a[kc], desc);
+    else
+      sm90::wgmma_m64n64k16_rs<1>(acc, a[kc], desc);
+  }
+}
+
+// The bf16 A fragments of a keys x queries accumulator (P^T or dS^T): 16 queries per fragment.
+__device__ __forceinline__ void pack_fragments(uint32_t (&a)[kStepQ / 16][4], const float (&acc)[kStepQ / 2]) {
+#pragma unroll
+  for (int kc = 0; kc < kStepQ / 16; ++kc)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kc][i] = pack_bf16(acc[8 * kc + 2 * i], acc[8 * kc + 2 * i + 1]);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_backward_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
+                              const __grid_constant__ CUtensorMap dq_map, bf16* dqkv, const float* lse2,
+                              const float* dsum, int T, int T_pad, int n_head, int n_kv_head, float scale_log2) {
+  using L = Layout<HD>;
+  constexpr int S = L::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t base = sm90::smem_u32(smem);
+  const uint32_t bar_kv = base + L::kBar, bar_full = bar_kv + 8, bar_empty = bar_full + 8 * S;
 
   const int group = n_head / n_kv_head;
   const int b = blockIdx.x / n_kv_head, kvh = blockIdx.x % n_kv_head;
-  const int k0 = blockIdx.y * kBlockK;  // small key blocks (most queries) first
-  const size_t qkv_dim = static_cast<size_t>(n_head + 2 * n_kv_head) * HD;
-  const size_t out_dim = static_cast<size_t>(n_head) * HD;
-  const bf16* seq = qkv + static_cast<size_t>(b) * T * qkv_dim;
-  const bf16* dout_seq = dout + static_cast<size_t>(b) * T * out_dim;
+  const int k0 = blockIdx.y * kBlockKeys;  // small key blocks (most query steps) first
   const int first_step = k0 / kStepQ, steps_per_head = (T + kStepQ - 1) / kStepQ - first_step;
   const int n_steps = group * steps_per_head;
+  const int wg = threadIdx.x / 128;
 
-  auto load_step = [&](int step, int buf) {
-    const int h = kvh * group + step / steps_per_head, q0 = (first_step + step % steps_per_head) * kStepQ;
-    load_tile<kStepQ, HD>(sQ0 + buf * kTileQ, seq + static_cast<size_t>(h) * HD, qkv_dim, q0, T);
-    load_tile<kStepQ, HD>(sdO0 + buf * kTileQ, dout_seq + static_cast<size_t>(h) * HD, out_dim, q0, T);
-    const size_t head_row0 = (static_cast<size_t>(b) * n_head + h) * T;
-    for (int i = threadIdx.x; i < 2 * kStepQ; i += kThreads) {
-      const int q = q0 + (i % kStepQ);
-      const float* src = (i < kStepQ ? lse : dsum) + head_row0 + (q < T ? q : T - 1);
-      cp_async_4(sStat0 + (buf * 2 * kStepQ + i) * 4, src, q < T);
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(bar_kv, 1);
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(bar_full + 8 * s, 1);
+      sm90::mbar_init(bar_empty + 8 * s, 256);
     }
-  };
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
 
-  load_tile<kBlockK, HD>(sK, seq + static_cast<size_t>(n_head + kvh) * HD, qkv_dim, k0, T);
-  load_tile<kBlockK, HD>(sV, seq + static_cast<size_t>(n_head + n_kv_head + kvh) * HD, qkv_dim, k0, T);
-  load_step(0, 0);
-  cp_async_commit();
+  if (wg == 0) {
+    sm90::regs_release<24>();
+    if (threadIdx.x == 0) {
+      sm90::mbar_arrive_expect_tx(bar_kv, 2 * L::kKVBytes);
+      for (int box = 0; box < HD / 64; ++box)
+        for (int part = 0; part < kBlockKeys / kStepQ; ++part) {  // boxes of kStepQ rows
+          const uint32_t off = box * kBlockKeys * 128 + part * kStepQ * 128;
+          const int key = k0 + part * kStepQ;
+          sm90::tma_load_3d(base + L::kK + off, &qkv_map, bar_kv, (n_head + kvh) * HD + box * 64, key, b);
+          sm90::tma_load_3d(base + L::kV + off, &qkv_map, bar_kv, (n_head + n_kv_head + kvh) * HD + box * 64, key, b);
+        }
+      for (int step = 0; step < n_steps; ++step) {
+        const int s = step % S;
+        if (step >= S) sm90::mbar_wait(bar_empty + 8 * s, ((step / S) - 1) & 1);
+        const int h = kvh * group + step / steps_per_head, q0 = (first_step + step % steps_per_head) * kStepQ;
+        const uint32_t full = bar_full + 8 * s;
+        sm90::mbar_arrive_expect_tx(full, 2 * L::kStepBytes + L::kStatBytes);
+        for (int box = 0; box < HD / 64; ++box) {
+          const uint32_t off = s * L::kStepBytes + box * kStepQ * 128;
+          sm90::tma_load_3d(base + L::kQ + off, &qkv_map, full, h * HD + box * 64, q0, b);
+          sm90::tma_load_3d(base + L::kDO + off, &dout_map, full, h * HD + box * 64, q0, b);
+        }
+        const size_t stat_row = (static_cast<size_t>(b) * n_head + h) * T_pad + q0;
+        const uint32_t stat = base + L::kStat + s * L::kStatBytes;
+        sm90::bulk_load(stat, lse2 + stat_row, kStepQ * 4, full);
+        sm90::bulk_load(stat + kStepQ * 4, dsum + stat_row, kStepQ * 4, full);
+      }
+    }
+    return;
+  }
+  sm90::regs_claim<240>();
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const Lane ln;
-  const int key_lo = k0 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
-  float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
-  // dQ = dS K of a step (kStepQ x HD) is split over the warps as a grid of 4 column strips x row strips.
-  constexpr int kDqCols = HD / 4, kDqRows = kStepQ * 4 / kWarps;
-  const int dq_row0 = (warp / 4) * kDqRows, dq_col0 = (warp % 4) * kDqCols;
+  const int c = wg - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const bool dq_issuer = (threadIdx.x & 127) == 0;  // issues this warpgroup's dQ reduce-adds
+  const int key0 = k0 + c * kKeysPerWg;     // this warpgroup's first key
+  const int key_lo = key0 + warp * 16 + g;  // this thread's keys: key_lo, key_lo + 8
+  const uint32_t k_rows = base + L::kK + c * kKeysPerWg * 128, v_rows = base + L::kV + c * kKeysPerWg * 128;
+  unsigned char* dq_stage = smem + L::kDQ + c * L::kDqBytes;
+  float dk[HD / 2] = {}, dv[HD / 2] = {};
+  sm90::mbar_wait(bar_kv, 0);
 
   for (int step = 0; step < n_steps; ++step) {
-    const int buf = step & 1;
-    if (step + 1 < n_steps) load_step(step + 1, buf ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // this step's Q, dO, lse, D landed
+    const int s = step % S;
     const int h = kvh * group + step / steps_per_head, q0 = (first_step + step % steps_per_head) * kStepQ;
-    const uint32_t sQ = sQ0 + buf * kTileQ, sdO = sdO0 + buf * kTileQ;
-    const float* s_lse = stats + buf * 2 * kStepQ;
-    const float* s_d = s_lse + kStepQ;
+    const uint32_t q_tile = base + L::kQ + s * L::kStepBytes, do_tile = base + L::kDO + s * L::kStepBytes;
+    const uint32_t ds_tile = base + L::kDS + (step & 1) * L::kDsBytes;  // double-buffered across steps
+    const float* stat = reinterpret_cast<const float*>(smem + L::kStat + s * L::kStatBytes);
+    // On the first query step of a head, warpgroup 1's keys all come after all the queries: it skips its
+    // products and stores a zero dS^T.
+    const bool skipped = c == 1 && q0 + kStepQ - 1 < key0;
+    sm90::mbar_wait(bar_full + 8 * s, (step / S) & 1);
 
-    // S^T = K Q^T, then P^T in place.
-    float p[kStepQ / 8][4] = {};
-    warp_rows_times_bt<HD>(p, sK, sQ, warp, ln);
-    const bool diagonal = q0 < k0 + kBlockK - 1;
+    uint32_t pa[kStepQ / 16][4] = {}, ds[kStepQ / 16][4] = {};
+    if (!skipped) {
+      float p[kStepQ / 2], dp[kStepQ / 2];
+      sm90::wgmma_fence();
+      keys_times_queries<HD>(p, k_rows, q_tile);
+      sm90::wgmma_commit();
+      keys_times_queries<HD>(dp, v_rows, do_tile);
+      sm90::wgmma_commit();
+
+      // P^T = exp2(S^T scale log2 e - lse log2 e), zero above the diagonal (key > query).
+      sm90::wgmma_wait<1>();
+      sm90::fence_registers(p);
+      const bool diagonal = q0 < key0 + kKeysPerWg - 1;
 #pragma unroll
-    for (int nt = 0; nt < kStepQ / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = nt * 8 + 2 * t + (e & 1);
-        const float v = exp2f(p[nt][e] * scale_log2 - s_lse[qi] * kLog2e);
-        p[nt][e] = (diagonal && key_lo + (e >> 1) * 8 > q0 + qi) ? 0.f : v;
+      for (int i = 0; i < kStepQ / 2; ++i) {
+        const int qi = 8 * (i >> 2) + 2 * t + (i & 1);
+        const float v = exp2f(p[i] * scale_log2 - stat[qi]);
+        p[i] = (diagonal && key_lo + 8 * ((i >> 1) & 1) > q0 + qi) ? 0.f : v;
       }
+      pack_fragments(pa, p);
+      sm90::wgmma_fence();
+      keys_times_step<HD>(dv, pa, do_tile);
+      sm90::wgmma_commit();
 
-    // dV += P^T dO
+      // dS^T = P^T (dP^T - D): in registers the A of dK; also stored to this warpgroup's rows of dS^T.
+      sm90::wgmma_wait<1>();
+      sm90::fence_registers(dp);
+#pragma unroll
+      for (int i = 0; i < kStepQ / 2; ++i) p[i] *= dp[i] - stat[kStepQ + 8 * (i >> 2) + 2 * t + (i & 1)];
+      pack_fragments(ds, p);
+    }
+#pragma unroll
+    for (int kc = 0; kc < kStepQ / 16; ++kc)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<uint32_t*>(smem + (ds_tile - base) +
+                                     box_offset(kBlockKeys, c * kKeysPerWg + warp * 16 + g + 8 * (i & 1),
+                                                kc * 16 + 8 * (i >> 1) + 2 * t)) = ds[kc][i];
+    sm90::fence_proxy_async_smem();
+    if (!skipped) {
+      sm90::wgmma_fence();
+      keys_times_step<HD>(dk, ds, q_tile);
+      sm90::wgmma_commit();
+    }
+    // The previous step's dQ reduce-add has read its staging tile.
+    if (dq_issuer) sm90::bulk_wait_read<0>();
+    sm90::named_barrier(1, 256);  // dS^T of both warpgroups is in shared memory
+
+    // dQ[q0.., 64 columns] = dS K over the block's 128 keys: the HD/64 column chunks go to the warpgroups
+    // in turn (hd 128: one each per step; hd 64: the single chunk alternates between them by step).
+    const int n = (c + step) & 1;
+    const bool has_dq = n < HD / 64;
+    float dq[32];
+    if (has_dq) {
+      sm90::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockKeys / 16; ++kk)
+        sm90::wgmma_m64n64k16<1, 1>(
+            dq, sm90::sw128_descriptor(ds_tile + kk * 16 * 128, kBlockKeys * 128, 1024),
+            sm90::sw128_descriptor(base + L::kK + n * kBlockKeys * 128 + kk * 16 * 128, kBlockKeys * 128, 1024),
+            kk > 0);
+      sm90::wgmma_commit();
+    }
+    sm90::wgmma_wait<0>();  // every product that reads the stage (and dS^T) is done
+    sm90::fence_registers(dq);
 #pragma unroll
     for (int kc = 0; kc < kStepQ / 16; ++kc) {
-      uint32_t pa[4];
-      a_fragment(pa, p, kc);
-      warp_a_times_b_rows<HD>(dv, pa, sdO, kc, ln);
+      sm90::fence_registers(pa[kc]);
+      sm90::fence_registers(ds[kc]);
     }
+    sm90::mbar_arrive(bar_empty + 8 * s);
+    if (!has_dq) continue;
 
-    // dP^T = V dO^T, then dS^T = P^T (dP^T - D) into p.
-    {
-      float dp[kStepQ / 8][4] = {};
-      warp_rows_times_bt<HD>(dp, sV, sdO, warp, ln);
+    // Staged as 2 fp32 boxes [64 queries][32 columns] (128-byte swizzle), added into the accumulator by
+    // the copy engine; rows past T are clipped by the [B*n_head][T][HD] tensor map.
 #pragma unroll
-      for (int nt = 0; nt < kStepQ / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) p[nt][e] *= dp[nt][e] - s_d[nt * 8 + 2 * t + (e & 1)];
+    for (int i = 0; i < 32; i += 2) {
+      const int row = warp * 16 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t;
+      *reinterpret_cast<float2*>(dq_stage + (col >> 5) * kStepQ * 128 + sm90::sw128_offset(row, (col & 31) * 4)) =
+          make_float2(dq[i], dq[i + 1]);
     }
-
-    // dK += dS^T Q; dS^T (bf16) also goes to shared memory for dQ.
-#pragma unroll
-    for (int kc = 0; kc < kStepQ / 16; ++kc) {
-      uint32_t da[4];
-      a_fragment(da, p, kc);
-      unsigned char* ds_tile = smem + (sdS - sK);
-      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g, kc * 16 + 2 * t)) = da[0];
-      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g + 8, kc * 16 + 2 * t)) = da[1];
-      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g, kc * 16 + 8 + 2 * t)) = da[2];
-      *reinterpret_cast<uint32_t*>(ds_tile + swz<kStepQ>(warp * 16 + g + 8, kc * 16 + 8 + 2 * t)) = da[3];
-      warp_a_times_b_rows<HD>(dk, da, sQ, kc, ln);
+    sm90::fence_proxy_async_smem();
+    sm90::named_barrier(2 + c, 128);
+    if (dq_issuer) {
+      for (int box = 0; box < 2; ++box)
+        sm90::tma_reduce_add_3d(&dq_map, dq_stage + box * kStepQ * 128, n * 64 + box * 32, q0, b * n_head + h);
+      sm90::bulk_commit();
     }
-    __syncthreads();  // dS^T complete
-
-    // dQ[:, warp's columns] += dS K, added into the fp32 accumulator.
-    {
-      float dq[kDqRows / 16][kDqCols / 8][4] = {};
-#pragma unroll
-      for (int kc = 0; kc < kBlockK / 16; ++kc) {
-        uint32_t kb[kDqCols / 16][4];
-#pragma unroll
-        for (int np = 0; np < kDqCols / 16; ++np)
-          ldsm_x4_trans(kb[np], sK + swz<HD>(kc * 16 + ln.bt_row(), dq_col0 + np * 16 + ln.bt_col()));
-#pragma unroll
-        for (int mt = 0; mt < kDqRows / 16; ++mt) {
-          uint32_t da[4];
-          ldsm_x4_trans(da, sdS + swz<kStepQ>(kc * 16 + ln.at_row(), dq_row0 + mt * 16 + ln.at_col()));
-#pragma unroll
-          for (int np = 0; np < kDqCols / 16; ++np) {
-            mma(dq[mt][2 * np], da, kb[np][0], kb[np][1]);
-            mma(dq[mt][2 * np + 1], da, kb[np][2], kb[np][3]);
-          }
-        }
-      }
-      float* dq_head = dq_accum + (static_cast<size_t>(b) * n_head + h) * T * HD + dq_col0;
-#pragma unroll
-      for (int mt = 0; mt < kDqRows / 16; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int q = q0 + dq_row0 + mt * 16 + g + half * 8;
-          if (q < T) {
-#pragma unroll
-            for (int nt = 0; nt < kDqCols / 8; ++nt)
-              atomicAdd(reinterpret_cast<float2*>(dq_head + static_cast<size_t>(q) * HD + nt * 8 + 2 * t),
-                        make_float2(dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]));
-          }
-        }
-    }
-    __syncthreads();  // every warp is done with this step's buffers and dS^T
   }
+  if (dq_issuer) sm90::bulk_wait<0>();
+  sm90::fence_registers(dk);
+  sm90::fence_registers(dv);
 
+  // dK (times scale) and dV as bf16 into this warp's rows of the K and V tiles, then 16-byte stores of the
+  // rows below T. The other warpgroup may still read K for dQ: wait until both are done.
+  sm90::named_barrier(1, 256);
   const float scale = scale_log2 / kLog2e;
-  bf16* dseq = dqkv + static_cast<size_t>(b) * T * qkv_dim;
-  store_warp_rows<HD>(dk, scale, scale, k_tile, warp * 16, dseq + static_cast<size_t>(n_head + kvh) * HD, qkv_dim,
-                      k0 + warp * 16, T);
-  store_warp_rows<HD>(dv, 1.f, 1.f, v_tile, warp * 16, dseq + static_cast<size_t>(n_head + n_kv_head + kvh) * HD,
-                      qkv_dim, k0 + warp * 16, T);
+  const int tile_row = c * kKeysPerWg + warp * 16 + g;
+#pragma unroll
+  for (int i = 0; i < HD / 2; i += 2) {
+    const int row = tile_row + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t;
+    *reinterpret_cast<uint32_t*>(smem + L::kK + box_offset(kBlockKeys, row, col)) =
+        pack_bf16(dk[i] * scale, dk[i + 1] * scale);
+    *reinterpret_cast<uint32_t*>(smem + L::kV + box_offset(kBlockKeys, row, col)) = pack_bf16(dv[i], dv[i + 1]);
+  }
+  __syncwarp();
+  const size_t qkv_dim = static_cast<size_t>(n_head + 2 * n_kv_head) * HD;
+  bf16* dk_dst = dqkv + static_cast<size_t>(b) * T * qkv_dim + static_cast<size_t>(n_head + kvh) * HD;
+  bf16* dv_dst = dk_dst + static_cast<size_t>(n_kv_head) * HD;
+  constexpr int kChunks = HD / 8;
+#pragma unroll
+  for (int i = lane; i < 16 * kChunks; i += 32) {
+    const int r = i / kChunks, col = (i % kChunks) * 8;
+    const int key = key0 + warp * 16 + r, row = c * kKeysPerWg + warp * 16 + r;
+    if (key < T) {
+      *reinterpret_cast<int4*>(dk_dst + static_cast<size_t>(key) * qkv_dim + col) =
+          *reinterpret_cast<const int4*>(smem + L::kK + box_offset(kBlockKeys, row, col));
+      *reinterpret_cast<int4*>(dv_dst + static_cast<size_t>(key) * qkv_dim + col) =
+          *reinterpret_cast<const int4*>(smem + L::kV + box_offset(kBlockKeys, row, col));
+    }
+  }
 }
 
 // dqkv[:, q heads] = scale * dQ accumulator ([B, n_head, T, HD] fp32), 8 elements per thread.
@@ -568,29 +557,37 @@ size_t dq_accum_bytes(const AttentionShape& s) {
   return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
 }
 
+int padded_T(const AttentionShape& s) { return (s.T + kStepQ - 1) / kStepQ * kStepQ; }
+
 template <int HD>
 void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, void* workspace,
               const AttentionShape& s, cudaStream_t stream, const AttentionWriteout* writeout) {
+  const int T_pad = padded_T(s);
+  const size_t stat_rows = static_cast<size_t>(s.B) * s.n_head * T_pad;
   float* dq_accum = static_cast<float*>(workspace);
   float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
-  const size_t rows = static_cast<size_t>(s.B) * s.T * s.n_head;
-  attention_backward_prologue_kernel<HD>
-      <<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, stream>>>(dsum, dq_accum, dout, out, s.B, s.T, s.n_head);
+  float* lse2 = dsum + stat_rows;
+  attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * 32 + 255) / 256), 256, 0, stream>>>(
+      lse2, dsum, dq_accum, dout, out, lse, s.B, s.T, T_pad, s.n_head);
   CUDA_CHECK_LAUNCH();
 
-  constexpr int kSmem = (2 * kBlockK * HD + 4 * kStepQ * HD + kBlockK * kStepQ) * 2 + 4 * kStepQ * 4;
-  CUDA_CHECK(cudaFuncSetAttribute(attention_backward_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid(s.B * s.n_kv_head, (s.T + kBlockK - 1) / kBlockK);
   const float scale = 1.f / std::sqrt(static_cast<float>(HD));
-  attention_backward_kernel<HD><<<grid, kThreads, kSmem, stream>>>(dqkv, dq_accum, dout, qkv, lse, dsum, s.T, s.n_head,
-                                                                   s.n_kv_head, scale * kLog2e);
+  const CUtensorMap qkv_map = sequence_tensor_map(qkv, s.qkv_dim(), s.T, s.B, kStepQ, "qkv");
+  const CUtensorMap dout_map = sequence_tensor_map(dout, s.n_head * HD, s.T, s.B, kStepQ, "dout");
+  const CUtensorMap dq_map = sequence_tensor_map(dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, HD, s.T,
+                                                 s.B * s.n_head, kStepQ, "dq accumulator");
+  constexpr int kSmem = Layout<HD>::kSmem;
+  CUDA_CHECK(cudaFuncSetAttribute(attention_backward_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const dim3 grid(s.B * s.n_kv_head, (s.T + kBlockKeys - 1) / kBlockKeys);
+  attention_backward_kernel<HD><<<grid, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv, lse2, dsum, s.T,
+                                                                   T_pad, s.n_head, s.n_kv_head, scale * kLog2e);
   CUDA_CHECK_LAUNCH();
 
   if (writeout != nullptr) {
     launch_writeout<HD>(dqkv, dq_accum, qkv, *writeout, s, scale, stream);
     return;
   }
-  const size_t chunks = rows * HD / 8;
+  const size_t chunks = static_cast<size_t>(s.B) * s.T * s.n_head * HD / 8;
   attention_backward_epilogue_kernel<HD><<<static_cast<unsigned>((chunks + 255) / 256), 256, 0, stream>>>(
       dqkv, dq_accum, s.B, s.T, s.n_head, s.n_kv_head, scale);
   CUDA_CHECK_LAUNCH();
@@ -600,7 +597,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
 
 size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
   validate_attention_shape(shape);
-  return dq_accum_bytes(shape) + static_cast<size_t>(shape.B) * shape.n_head * shape.T * sizeof(float);
+  return dq_accum_bytes(shape) + 2 * static_cast<size_t>(shape.B) * shape.n_head * padded_T(shape) * sizeof(float);
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,

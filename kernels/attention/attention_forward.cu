@@ -64,11 +64,6 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[HD / 2], const uint32_t (&a)
     sm90::wgmma_m64n64k16_rs<1>(o, a, desc_b);
 }
 
-// Byte offset of (row, col) in a tile stored as HD/64 TMA boxes of [rows][64] bf16 with 128-byte swizzle.
-__device__ __forceinline__ uint32_t box_offset(int rows, int row, int col) {
-  return static_cast<uint32_t>((col >> 6) * rows * 128) + sm90::sw128_offset(row, (col & 63) * 2);
-}
-
 template <int HD>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_forward_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16* out, float* lse, int T,
@@ -229,17 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <int HD>
 void forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& s, cudaStream_t stream) {
-  const uint64_t qkv_dim = static_cast<uint64_t>(s.qkv_dim());
-  CUtensorMap map;
-  const cuuint64_t dims[3] = {qkv_dim, static_cast<cuuint64_t>(s.T), static_cast<cuuint64_t>(s.B)};
-  const cuuint64_t strides[2] = {qkv_dim * 2, qkv_dim * 2 * s.T};
-  const cuuint32_t box[3] = {64, kRows, 1}, elem_strides[3] = {1, 1, 1};
-  const CUresult r = sm90::tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims,
-                                                strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error("attention: cuTensorMapEncodeTiled(qkv) failed with CUresult " + std::to_string(r));
+  const CUtensorMap map = sequence_tensor_map(qkv, s.qkv_dim(), s.T, s.B, kRows, "qkv");
   constexpr int kSmem = Layout<HD>::kSmem;
   CUDA_CHECK(cudaFuncSetAttribute(attention_forward_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(s.B * s.n_head, (s.T + kRows - 1) / kRows);

@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""Writes wgmma_ops.cuh: one inline-PTX wrapper per wgmma shape the GEMM and the attention forward use.
+"""Writes wgmma_ops.cuh: one inline-PTX wrapper per wgmma shape the GEMM and the attention kernels use.
 
 wgmma takes its fp32 accumulators as N/2 separate register operands, which inline asm can only spell
 out one by one; this script spells them out so the header stays free of hand-copied operand lists.
 Two operand forms:
   * SS (A and B from shared memory, both as descriptors), with a run-time accumulate flag: the GEMM's
-    mainloop and the attention's S = Q K^T.
-  * RS (A from registers, B from shared memory), always accumulating: the attention's O += P V, whose
-    A = P is the previous product's accumulator fragment re-packed to bf16 (4 x bf16x2 per thread).
+    mainloop, the attention forward's S = Q K^T, the backward's S^T = K Q^T, dP^T = V dO^T (n64: 64
+    queries per step) and dQ = dS K (n64: one 64-column block of the head dim).
+  * RS (A from registers, B from shared memory), always accumulating: the attention's O += P V (and the
+    backward's dV += P^T dO, dK += dS^T Q), whose A is the previous product's accumulator fragment
+    re-packed to bf16 (4 x bf16x2 per thread).
 Run it from this folder after changing the shape lists: python3 gen_wgmma.py > wgmma_ops.cuh
 """
 
-SS_SHAPES = [128, 256]  # the n of m64nNk16, A and B from shared memory
+SS_SHAPES = [64, 128, 256]  # the n of m64nNk16, A and B from shared memory
 RS_SHAPES = [64, 128]  # the n of m64nNk16, A from registers
 
 

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) building blocks of the GEMM (kernels/gemm) and the attention forward (kernels/attention),
+// Hopper (sm_90a) building blocks of the GEMM (kernels/gemm) and the attention kernels (kernels/attention),
 // one thin inline-PTX wrapper per hardware mechanism, with the hardware's rules written next to each. They
 // live in their own folder because both kernels use them; everything those kernels need and nothing more:
 //
@@ -100,6 +100,14 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// 1-D bulk copy of `bytes` contiguous bytes (a multiple of 16; both addresses 16-byte aligned), completing
+// on an mbarrier like a tensor load.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
                "r"(smem_u32(src)), "r"(c0), "r"(c1)
@@ -111,6 +119,13 @@ __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const 
   asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
                "r"(smem_u32(src)), "r"(c0), "r"(c1)
                : "memory");
+}
+
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
+      "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
 }
 
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
@@ -167,6 +182,12 @@ template <int kN>
 __device__ __forceinline__ void fence_registers(float (&r)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// The same for the bf16x2 A fragments of register-A wgmma: they are read asynchronously until the wait.
+template <int kN>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // Shared-memory matrix descriptor of a 128B-swizzled tile (layout type 1 in bits 62-63). Addresses and
