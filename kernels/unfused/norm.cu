@@ -124,15 +124,6 @@ __global__ void __launch_bounds__(kForwardWarps * 32) norm_forward_kernel(bf16* 
   }
 }
 
-// 1-D bulk copy (the copy engine, no registers) of `bytes` from global to shared memory; its completion
-// counts as `bytes` transaction bytes on the mbarrier `bar`. Both addresses 16-byte aligned, bytes a
-// multiple of 16.
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
 // Row group g of a block holds rows blockIdx.x * groups + g + k * (all groups), k = 0, 1, ...; thread t of
 // the group owns packet t (columns 8t .. 8t + 7). Each group has a ring of kStages row slots in dynamic
 // shared memory ([kStages][dy, x, dres][C] bf16); thread 0 of the group refills a slot with the row kStages
@@ -167,9 +158,9 @@ __global__ void __launch_bounds__(kBackwardThreads) norm_backward_kernel(bf16* d
     const size_t offset = static_cast<size_t>(row) * C;
     bf16* slot = ring + static_cast<size_t>(s) * 3 * C;
     sm90::mbar_arrive_expect_tx(bar, (accumulate ? 3 : 2) * row_bytes);
-    bulk_load(sm90::smem_u32(slot), dy + offset, row_bytes, bar);
-    bulk_load(sm90::smem_u32(slot + C), x + offset, row_bytes, bar);
-    if (accumulate) bulk_load(sm90::smem_u32(slot + 2 * C), dx + offset, row_bytes, bar);
+    sm90::bulk_load(sm90::smem_u32(slot), dy + offset, row_bytes, bar);
+    sm90::bulk_load(sm90::smem_u32(slot + C), x + offset, row_bytes, bar);
+    if (accumulate) sm90::bulk_load(sm90::smem_u32(slot + 2 * C), dx + offset, row_bytes, bar);
   };
   // The statistics of the row in each slot, loaded when the slot is filled.
   float mu[kStages], r[kStages];
