@@ -5,11 +5,11 @@
 //
 // Three kernels (four with the CODA write-out):
 //  1. Prologue: per (b, h, t) row D = rowsum(dO * O) and lse * log2 e, fp32, in [B, n_head, T_pad] with T
-//     rounded up to whole 64-query steps (rows past T: D = 0, lse = +inf, so their P is exactly 0 and the
+//     rounded up to a multiple of 128, whole query steps (rows past T: D = 0, lse = +inf, so their P is exactly 0 and the
 //     main kernel needs no query-tail masking); it also clears the fp32 dQ accumulator [B, n_head, T, HD].
 //  2. Main kernel: one thread block = one kv head x 128 keys (64 per consumer warpgroup). Warpgroup 0 is the
 //     producer: one thread loads K and V once, then for every query head of the kv head's group and every
-//     64-query step at or below the diagonal (steps above it are never loaded) Q, dO (TMA, 128-byte
+//     query step (kStepQ queries: 128 at hd 64, 64 at hd 128, see Tuning) at or below the diagonal (steps above it are never loaded) Q, dO (TMA, 128-byte
 //     swizzle) and lse, D (1-D bulk copies) into a ring of stages with "full" / "empty" mbarriers. Each
 //     consumer warpgroup, per step, on its 64 keys (transposed products, so that dK and dV are the
 //     accumulators and the A operands come from registers):
@@ -18,15 +18,17 @@
 //         dV  += P^T dO                          (A = P^T re-packed to bf16 from the accumulator fragment)
 //         dS^T = P^T (dP^T - D)
 //         dK  += dS^T Q                          (A from registers; times scale at the end)
-//     and stores dS^T (bf16) into its 64 rows of a [128 keys][64 queries] tile. After a barrier of the two
-//     consumer warpgroups, dQ[step] += dS K over all 128 keys is split between them by 64-column chunks
-//     (hd 128: one chunk each per step; hd 64: the single chunk alternates by step), A = dS read
+//     and stores dS^T (bf16) into its 64 rows of a [128 keys][kStepQ queries] tile. After a barrier of the
+//     two consumer warpgroups, dQ[step] += dS K over all 128 keys is split between them in units of 64
+//     queries x 64 columns (two per step: hd 128's two column chunks, hd 64's two 64-query halves), A = dS read
 //     transposed (MN-major) from the dS^T tile, B = K MN-major; the fp32 chunk is staged in shared memory
 //     and added into the dQ accumulator by the copy engine (cp.reduce.async.bulk.tensor .add). The dS^T
 //     tile is double-buffered across steps, so that one barrier per step orders its writes and reads.
 //     Summing over the group's query heads inside the block gives dK, dV of a kv head without atomics.
-//     On the first step of each head warpgroup 1's keys all come after all the queries: it skips its
-//     products and stores a zero dS^T. Key blocks are scheduled by increasing key index (most steps first).
+//     With 64-query steps, on the first step of each head warpgroup 1's keys all come after all the
+//     queries: it skips its products and stores a zero dS^T. Key blocks are scheduled by increasing key
+//     index (most steps first); at hd 128 in groups of 4 (batch, kv head) pairs, so that the blocks that
+//     run together share those pairs' Q, dO and dQ rows in L2.
 //  3. dQ conversion: dqkv[:, q heads] = scale * dQ accumulator in bf16 -- or, with a write-out, the CODA
 //     pass below that finishes whole packed rows of dqkv.
 //
@@ -55,6 +57,7 @@
 #include "kernels/attention/attention.cuh"
 #include "kernels/attention/attention_device.cuh"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -105,16 +108,33 @@ __global__ void attention_backward_prologue_kernel(float* lse2, float* dsum, flo
 // ---- the main kernel: TMA + wgmma, a producer warpgroup and two consumer warpgroups --------------------
 constexpr int kKeysPerWg = 64;              // keys of one consumer warpgroup (one wgmma M tile)
 constexpr int kBlockKeys = 2 * kKeysPerWg;  // keys per thread block
-constexpr int kStepQ = 64;                  // queries per pipeline step
+constexpr int kDqRows = 64;                 // query rows of one dQ unit (one wgmma M tile)
+constexpr int kPadQ = 128;                  // T_pad: T rounded up to a multiple of every query step
 constexpr int kThreads = 384;               // producer warpgroup + 2 consumer warpgroups
 
+// The query step per head dim, and the block order (see the kernel): measured on the H200 against the
+// alternatives (docs/ATTENTION.md, session 5). hd 64: 128-query steps (one wgmma N = 128 per product, half
+// the steps and barriers: +6-11% at T >= 2k on the models' shapes), blocks in their natural order (groups
+// of pairs cost Llama's GQA shape 3-9%). hd 128: 64-query steps (registers), blocks in groups of 4 (batch,
+// kv head) pairs (+21-26% at T = 1k / 2k). Two stages each (three or more measured slower).
 template <int HD>
+struct Tuning;
+template <>
+struct Tuning<64> {
+  static constexpr int kStepQ = 128, kGroupPairs = 0;  // 0: all pairs in one group
+};
+template <>
+struct Tuning<128> {
+  static constexpr int kStepQ = 64, kGroupPairs = 4;
+};
+
+template <int HD, int kStepQ>
 struct Layout {
-  static constexpr int kStages = HD == 128 ? 2 : 3;       // Q / dO / lse / D ring
+  static constexpr int kStages = 2;                        // Q / dO / lse / D ring
   static constexpr int kKVBytes = kBlockKeys * HD * 2;     // the K (or V) tile: HD/64 boxes of [128 keys][64]
-  static constexpr int kStepBytes = kStepQ * HD * 2;       // the Q (or dO) tile of a step: HD/64 boxes [64][64]
-  static constexpr int kDsBytes = kBlockKeys * kStepQ * 2;  // dS^T of a step: [128 keys][64 queries]
-  static constexpr int kDqBytes = kStepQ * 64 * 4;         // one warpgroup's dQ chunk: 2 fp32 boxes [64][32]
+  static constexpr int kStepBytes = kStepQ * HD * 2;       // the Q (or dO) tile of a step: HD/64 boxes [kStepQ][64]
+  static constexpr int kDsBytes = kBlockKeys * kStepQ * 2;  // dS^T of a step: kStepQ/64 boxes [128 keys][64]
+  static constexpr int kDqBytes = kDqRows * 64 * 4;        // one warpgroup's dQ unit: 2 fp32 boxes [64][32]
   static constexpr int kStatBytes = 2 * kStepQ * 4;        // lse * log2 e | D of a step
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kStepBytes,
                        kDS = kDO + kStages * kStepBytes, kDQ = kDS + 2 * kDsBytes, kStat = kDQ + 2 * kDqBytes,
@@ -122,21 +142,25 @@ struct Layout {
   static constexpr int kSmem = kBar + 8 * (1 + 2 * kStages) + 1024;  // + slack to align the base to 1024
 };
 
-// acc[64 keys x 64 queries] = A[64 keys][HD] B[64 queries][HD]^T, both K-major swizzled tiles: S^T = K Q^T
-// and dP^T = V dO^T (a_rows: the warpgroup's first key row in box 0 of K or V).
-template <int HD>
+// acc[64 keys x kStepQ queries] = A[64 keys][HD] B[kStepQ queries][HD]^T, both K-major swizzled tiles:
+// S^T = K Q^T and dP^T = V dO^T (a_rows: the warpgroup's first key row in box 0 of K or V).
+template <int HD, int kStepQ>
 __device__ __forceinline__ void keys_times_queries(float (&acc)[kStepQ / 2], uint32_t a_rows, uint32_t b_tile) {
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
     const uint32_t box = kk / 4, kbyte = (kk % 4) * 32;
-    sm90::wgmma_m64n64k16<0, 0>(acc, sm90::sw128_descriptor(a_rows + box * kBlockKeys * 128 + kbyte, 16, 1024),
-                                sm90::sw128_descriptor(b_tile + box * kStepQ * 128 + kbyte, 16, 1024), kk > 0);
+    const uint64_t desc_a = sm90::sw128_descriptor(a_rows + box * kBlockKeys * 128 + kbyte, 16, 1024);
+    const uint64_t desc_b = sm90::sw128_descriptor(b_tile + box * kStepQ * 128 + kbyte, 16, 1024);
+    if constexpr (kStepQ == 128)
+      sm90::wgmma_m64n128k16<0, 0>(acc, desc_a, desc_b, kk > 0);
+    else
+      sm90::wgmma_m64n64k16<0, 0>(acc, desc_a, desc_b, kk > 0);
   }
 }
 
-// acc[64 keys x HD] += a[64 keys x 64 queries] (bf16 fragments in registers) B[64 queries][HD] (MN-major):
-// dV += P^T dO and dK += dS^T Q.
-template <int HD>
+// acc[64 keys x HD] += a[64 keys x kStepQ queries] (bf16 fragments in registers) B[kStepQ queries][HD]
+// (MN-major): dV += P^T dO and dK += dS^T Q.
+template <int HD, int kStepQ>
 __device__ __forceinline__ void keys_times_step(float (&acc)[HD / 2], const uint32_t (&a)[kStepQ / 16][4],
                                                 uint32_t b_tile) {
 #pragma unroll
@@ -150,6 +174,7 @@ __device__ __forceinline__ void keys_times_step(float (&acc)[HD / 2], const uint
 }
 
 // The bf16 A fragments of a keys x queries accumulator (P^T or dS^T): 16 queries per fragment.
+template <int kStepQ>
 __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kStepQ / 16][4], const float (&acc)[kStepQ / 2]) {
 #pragma unroll
   for (int kc = 0; kc < kStepQ / 16; ++kc)
@@ -157,12 +182,13 @@ __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kStepQ / 16][4], co
     for (int i = 0; i < 4; ++i) a[kc][i] = pack_bf16(acc[8 * kc + 2 * i], acc[8 * kc + 2 * i + 1]);
 }
 
-template <int HD>
+template <int HD, int kStepQ>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
                               const __grid_constant__ CUtensorMap dq_map, bf16* dqkv, const float* lse2,
-                              const float* dsum, int T, int T_pad, int n_head, int n_kv_head, float scale_log2) {
-  using L = Layout<HD>;
+                              const float* dsum, int T, int T_pad, int n_head, int n_kv_head, float scale_log2,
+                              int group_pairs) {
+  using L = Layout<HD, kStepQ>;
   constexpr int S = L::kStages;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (sm90::smem_u32(smem_raw) & 1023)) & 1023);
@@ -170,8 +196,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bar_kv = base + L::kBar, bar_full = bar_kv + 8, bar_empty = bar_full + 8 * S;
 
   const int group = n_head / n_kv_head;
-  const int b = blockIdx.x / n_kv_head, kvh = blockIdx.x % n_kv_head;
-  const int k0 = blockIdx.y * kBlockKeys;  // small key blocks (most query steps) first
+  // Block order: groups of group_pairs (batch, kv head) pairs; inside a group, key block by key block
+  // (small key blocks, most query steps, first), the group's pairs side by side. Blocks running at the
+  // same time then share their pairs' Q, dO and dQ rows in L2.
+  const int n_kblocks = (T + kBlockKeys - 1) / kBlockKeys, n_pairs = gridDim.x / n_kblocks;
+  const int group_first = blockIdx.x / (group_pairs * n_kblocks) * group_pairs;
+  const int pairs_here = min(group_pairs, n_pairs - group_first);
+  const int in_group = blockIdx.x - group_first * n_kblocks;
+  const int pair = group_first + in_group % pairs_here;
+  const int b = pair / n_kv_head, kvh = pair % n_kv_head;
+  const int k0 = in_group / pairs_here * kBlockKeys;
   const int first_step = k0 / kStepQ, steps_per_head = (T + kStepQ - 1) / kStepQ - first_step;
   const int n_steps = group * steps_per_head;
   const int wg = threadIdx.x / 128;
@@ -242,9 +276,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!skipped) {
       float p[kStepQ / 2], dp[kStepQ / 2];
       sm90::wgmma_fence();
-      keys_times_queries<HD>(p, k_rows, q_tile);
+      keys_times_queries<HD, kStepQ>(p, k_rows, q_tile);
       sm90::wgmma_commit();
-      keys_times_queries<HD>(dp, v_rows, do_tile);
+      keys_times_queries<HD, kStepQ>(dp, v_rows, do_tile);
       sm90::wgmma_commit();
 
       // P^T = exp2(S^T scale log2 e - lse log2 e), zero above the diagonal (key > query).
@@ -257,9 +291,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float v = exp2f(p[i] * scale_log2 - stat[qi]);
         p[i] = (diagonal && key_lo + 8 * ((i >> 1) & 1) > q0 + qi) ? 0.f : v;
       }
-      pack_fragments(pa, p);
+      pack_fragments<kStepQ>(pa, p);
       sm90::wgmma_fence();
-      keys_times_step<HD>(dv, pa, do_tile);
+      keys_times_step<HD, kStepQ>(dv, pa, do_tile);
       sm90::wgmma_commit();
 
       // dS^T = P^T (dP^T - D): in registers the A of dK; also stored to this warpgroup's rows of dS^T.
@@ -267,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::fence_registers(dp);
 #pragma unroll
       for (int i = 0; i < kStepQ / 2; ++i) p[i] *= dp[i] - stat[kStepQ + 8 * (i >> 2) + 2 * t + (i & 1)];
-      pack_fragments(ds, p);
+      pack_fragments<kStepQ>(ds, p);
     }
 #pragma unroll
     for (int kc = 0; kc < kStepQ / 16; ++kc)
@@ -279,28 +313,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::fence_proxy_async_smem();
     if (!skipped) {
       sm90::wgmma_fence();
-      keys_times_step<HD>(dk, ds, q_tile);
+      keys_times_step<HD, kStepQ>(dk, ds, q_tile);
       sm90::wgmma_commit();
     }
     // The previous step's dQ reduce-add has read its staging tile.
     if (dq_issuer) sm90::bulk_wait_read<0>();
     sm90::named_barrier(1, 256);  // dS^T of both warpgroups is in shared memory
 
-    // dQ[q0.., 64 columns] = dS K over the block's 128 keys: the HD/64 column chunks go to the warpgroups
-    // in turn (hd 128: one each per step; hd 64: the single chunk alternates between them by step).
-    const int n = (c + step) & 1;
-    const bool has_dq = n < HD / 64;
+    // dQ[step] += dS K over the block's 128 keys, in units of 64 queries x 64 columns (two per step: hd 64
+    // with 128-query steps, hd 128 with 64-query steps), one unit per warpgroup.
+    constexpr int kColUnits = HD / 64;
+    static_assert(kStepQ / kDqRows * kColUnits == 2, "two dQ units per step, one per consumer warpgroup");
+    const int unit = (c + step) & 1;
+    const int mt = unit / kColUnits, n = unit % kColUnits;
     float dq[32];
-    if (has_dq) {
-      sm90::wgmma_fence();
+    sm90::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBlockKeys / 16; ++kk)
-        sm90::wgmma_m64n64k16<1, 1>(
-            dq, sm90::sw128_descriptor(ds_tile + kk * 16 * 128, kBlockKeys * 128, 1024),
-            sm90::sw128_descriptor(base + L::kK + n * kBlockKeys * 128 + kk * 16 * 128, kBlockKeys * 128, 1024),
-            kk > 0);
-      sm90::wgmma_commit();
-    }
+    for (int kk = 0; kk < kBlockKeys / 16; ++kk)
+      sm90::wgmma_m64n64k16<1, 1>(
+          dq, sm90::sw128_descriptor(ds_tile + mt * kBlockKeys * 128 + kk * 16 * 128, kBlockKeys * 128, 1024),
+          sm90::sw128_descriptor(base + L::kK + n * kBlockKeys * 128 + kk * 16 * 128, kBlockKeys * 128, 1024),
+          kk > 0);
+    sm90::wgmma_commit();
     sm90::wgmma_wait<0>();  // every product that reads the stage (and dS^T) is done
     sm90::fence_registers(dq);
 #pragma unroll
@@ -309,21 +343,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::fence_registers(ds[kc]);
     }
     sm90::mbar_arrive(bar_empty + 8 * s);
-    if (!has_dq) continue;
 
     // Staged as 2 fp32 boxes [64 queries][32 columns] (128-byte swizzle), added into the accumulator by
     // the copy engine; rows past T are clipped by the [B*n_head][T][HD] tensor map.
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
       const int row = warp * 16 + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t;
-      *reinterpret_cast<float2*>(dq_stage + (col >> 5) * kStepQ * 128 + sm90::sw128_offset(row, (col & 31) * 4)) =
+      *reinterpret_cast<float2*>(dq_stage + (col >> 5) * kDqRows * 128 + sm90::sw128_offset(row, (col & 31) * 4)) =
           make_float2(dq[i], dq[i + 1]);
     }
     sm90::fence_proxy_async_smem();
     sm90::named_barrier(2 + c, 128);
     if (dq_issuer) {
       for (int box = 0; box < 2; ++box)
-        sm90::tma_reduce_add_3d(&dq_map, dq_stage + box * kStepQ * 128, n * 64 + box * 32, q0, b * n_head + h);
+        sm90::tma_reduce_add_3d(&dq_map, dq_stage + box * kDqRows * 128, n * 64 + box * 32, q0 + mt * kDqRows,
+                                b * n_head + h);
       sm90::bulk_commit();
     }
   }
@@ -557,7 +591,7 @@ size_t dq_accum_bytes(const AttentionShape& s) {
   return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
 }
 
-int padded_T(const AttentionShape& s) { return (s.T + kStepQ - 1) / kStepQ * kStepQ; }
+int padded_T(const AttentionShape& s) { return (s.T + kPadQ - 1) / kPadQ * kPadQ; }
 
 template <int HD>
 void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, void* workspace,
@@ -572,15 +606,18 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   CUDA_CHECK_LAUNCH();
 
   const float scale = 1.f / std::sqrt(static_cast<float>(HD));
+  constexpr int kStepQ = Tuning<HD>::kStepQ;
   const CUtensorMap qkv_map = sequence_tensor_map(qkv, s.qkv_dim(), s.T, s.B, kStepQ, "qkv");
   const CUtensorMap dout_map = sequence_tensor_map(dout, s.n_head * HD, s.T, s.B, kStepQ, "dout");
   const CUtensorMap dq_map = sequence_tensor_map(dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, HD, s.T,
-                                                 s.B * s.n_head, kStepQ, "dq accumulator");
-  constexpr int kSmem = Layout<HD>::kSmem;
-  CUDA_CHECK(cudaFuncSetAttribute(attention_backward_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const dim3 grid(s.B * s.n_kv_head, (s.T + kBlockKeys - 1) / kBlockKeys);
-  attention_backward_kernel<HD><<<grid, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv, lse2, dsum, s.T,
-                                                                   T_pad, s.n_head, s.n_kv_head, scale * kLog2e);
+                                                 s.B * s.n_head, kDqRows, "dq accumulator");
+  constexpr int kSmem = Layout<HD, kStepQ>::kSmem;
+  auto* kernel = attention_backward_kernel<HD, kStepQ>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const int n_pairs = s.B * s.n_kv_head, n_kblocks = (s.T + kBlockKeys - 1) / kBlockKeys;
+  const int group_pairs = Tuning<HD>::kGroupPairs > 0 ? std::min(Tuning<HD>::kGroupPairs, n_pairs) : n_pairs;
+  kernel<<<n_pairs * n_kblocks, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv, lse2, dsum, s.T, T_pad,
+                                                           s.n_head, s.n_kv_head, scale * kLog2e, group_pairs);
   CUDA_CHECK_LAUNCH();
 
   if (writeout != nullptr) {
