@@ -267,8 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t q_tile = base + L::kQ + s * L::kStepBytes, do_tile = base + L::kDO + s * L::kStepBytes;
     const uint32_t ds_tile = base + L::kDS + (step & 1) * L::kDsBytes;  // double-buffered across steps
     const float* stat = reinterpret_cast<const float*>(smem + L::kStat + s * L::kStatBytes);
-    // On the first query step of a head, warpgroup 1's keys all come after all the queries: it skips its
-    // products and stores a zero dS^T.
+    // When all of warpgroup 1's keys come after all the step's queries (the first step of a head with
+    // 64-query steps), it skips its products and stores a zero dS^T.
     const bool skipped = c == 1 && q0 + kStepQ - 1 < key0;
     sm90::mbar_wait(bar_full + 8 * s, (step / S) & 1);
 
