@@ -429,7 +429,13 @@ TEST(Zero1, OptimizerStepMatchesReference) {
 }
 
 // ZeRO-1 on and off over the same ranks and batches: the same losses, norms and weights after a few
-// steps, up to the summation order of the reductions (and of attention's dQ atomics).
+// steps, up to the summation order of the reductions (and of attention's dQ reduce-adds). With more than
+// two ranks the all-reduce and the reduce-scatter add in different orders, and some gradients are
+// rounding noise (GPT-2's key bias: exactly zero in exact arithmetic, softmax being shift-invariant);
+// AdamW with a small epsilon turns such noise into full steps of random sign (docs/DISTRIBUTED.md, "On
+// four H200s"). So this test's epsilon (1e-4, above the gradients of these tiny models) keeps the update
+// close to linear in the gradient, and noise stays noise; Zero1.OptimizerStepMatchesReference checks the
+// sharded AdamW itself at the usual epsilon.
 TEST(Zero1, TrainsLikeTheReplicatedOptimizer) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   Communicator comm(context());
@@ -443,7 +449,7 @@ TEST(Zero1, TrainsLikeTheReplicatedOptimizer) {
     init_params(model, layout, 5, initial.data());
     std::unique_ptr<Backend> backends[2] = {make_cuda_backend(model, "unfused", B, T),
                                             make_cuda_backend(model, "unfused", B, T, &comm)};
-    const AdamWHyper hyper{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+    const AdamWHyper hyper{1e-3f, 0.9f, 0.95f, 1e-4f, 0.1f};
     for (auto& backend : backends) backend->load_params(initial.data());
     for (int step = 1; step <= 4; ++step) {
       float loss[2], norm[2];
