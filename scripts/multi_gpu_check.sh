@@ -4,7 +4,7 @@
 #  loss     20 training steps of gpt2-124m (global batch 32 x 1024) and llama3.2-1b (8 x 2048) three
 #           times on one GPU, on N GPUs (batch_size / N each) and on N GPUs with ZeRO-1: the same global
 #           batches, so the curves must agree up to the reduction order. The coda mode is not bitwise
-#           deterministic (fp32 atomics in the attention backward, split-K reduce order), and the early
+#           deterministic (fp32 reduce-adds of dQ in the attention backward, split-K reduce order), and the early
 #           steps amplify that, so the one-GPU runs give the floor: per step, the largest difference
 #           between two of them. The limit is max(0.01, 2 x the largest floor) on max |loss difference|,
 #           and the traces of both are printed. The learning rate ramps up over all 20 steps
