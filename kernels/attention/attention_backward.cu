@@ -35,14 +35,17 @@
 // The CODA write-out (writeout != nullptr; the contract and the math are in attention.cuh and
 // kernels/coda/fused.cuh) replaces the dQ conversion by a per-row pass that finishes whole packed rows of
 // dqkv: one block = one group of kGroupRows consecutive token rows (the column-partial group), its threads
-// over 8-column chunks of the row, each chunk walked down the group's rows. Per element: dz = scale * dQ
+// over 8-column chunks of the row, each chunk walked down the group's rows in batches of kBatchRows rows
+// whose loads are issued together (it is a streaming pass of ~15 bytes per element; one row's loads at a
+// time per thread left it at a third of the memory bandwidth). Per element: dz = scale * dQ
 // accumulator (q columns) or dk, dv as the main kernel stored them (bf16, read back in place); the row
 // dot <dz, z> against the stored qkv (taken BEFORE the inverse rotation: the rotation is orthogonal, so
 // <R^T g, R^T z> = <g, z> with no need to rotate z); the inverse RoPE rotation of the q and k pairs (the
 // forward's angle math, epilogue.cuh); the LayerNorm dots <dz, c>, <dz, b'> and the column partials
 // (sum dz, sum r mu dz) kept per thread over the group's rows, so each group's partial row is written once
-// without atomics; finally dqkv = r dz in bf16. Row dots are summed per thread over its chunks, then over
-// the warp (shuffles), then over the warps in a fixed order: deterministic, count 1.
+// without atomics; finally dqkv = r dz in bf16. Row dots are summed per thread over its chunk, per batch
+// over the warp (a reduce-scatter of shuffles, about one per value), then over the warps' sums in shared
+// memory in a fixed order: deterministic, count 1.
 //
 // Tails: qkv and dout are described to TMA as 3-D tensors [B][T][cols], so rows past T of a sequence are
 // zero-filled. Zero keys past T are masked by causality for every real query, and their dK, dV rows are
@@ -412,10 +415,10 @@ __global__ void attention_backward_epilogue_kernel(bf16* dqkv, const float* dq_a
 
 // ---- the CODA write-out --------------------------------------------------------------------------
 constexpr int kGroupRows = 16;           // rows per block = rows per column-partial group
+constexpr int kBatchRows = 4;            // rows whose loads a thread issues together
 constexpr int kWriteoutMaxThreads = 256;
 
-__device__ __forceinline__ void unpack_bf16x8(float (&v)[8], const bf16* src) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ void unpack_bf16x8(float (&v)[8], const uint4 raw) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -426,7 +429,7 @@ __device__ __forceinline__ void unpack_bf16x8(float (&v)[8], const bf16* src) {
 }
 
 __device__ __forceinline__ void load_float8(float (&v)[8], const float* src) {
-  const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
+  const float4 lo = __ldg(reinterpret_cast<const float4*>(src)), hi = __ldg(reinterpret_cast<const float4*>(src) + 1);
   v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
 }
 
@@ -435,16 +438,43 @@ __device__ __forceinline__ void store_float8(float* dst, const float (&v)[8]) {
   reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// One block per group of kGroupRows rows of dqkv [N = B*T, qkv_dim] (header comment). kDots: 1 (<dz, z>)
-// or 3 (LayerNorm: also <dz, c>, <dz, b'>). The q and k heads (columns < rot_cols) are inverse-rotated.
+// Warp sums of kValues values per lane at the cost of about kValues shuffles (a reduce-scatter: at each
+// step a lane keeps one half of its values, adds the partner's copy of that half and sends the other).
+// Returns in each lane the warp's sum of value lane / (32 / kValues).
+template <int kValues>
+__device__ __forceinline__ float warp_sum_scattered(float (&v)[kValues], int lane) {
+  static_assert(kValues >= 1 && kValues <= 32 && (kValues & (kValues - 1)) == 0, "a power of two up to 32");
+#pragma unroll
+  for (int half = kValues / 2, offset = 16; half >= 1; half /= 2, offset /= 2) {
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float keep = upper ? v[i + half] : v[i], send = upper ? v[i] : v[i + half];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+  }
+  float sum = v[0];
+#pragma unroll
+  for (int offset = 16 / kValues; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  return sum;
+}
+
+// One block per group of kGroupRows rows of dqkv [N = B*T, qkv_dim] (header comment); its threads take the
+// row's 8-column chunks in turn, each chunk down the group's rows, kBatchRows rows' loads issued together
+// (the pass streams ~15 bytes per element: enough loads must be in flight). kDots: 1 (<dz, z>) or 3
+// (LayerNorm: also <dz, c>, <dz, b'>), kept per row of a batch and summed over the warp when the batch is
+// done; the warps' sums meet in shared memory. The q and k heads (columns < rot_cols) are inverse-rotated.
 template <int HD, int kDots>
 __global__ void __launch_bounds__(kWriteoutMaxThreads)
     attention_backward_writeout_kernel(bf16* __restrict__ dqkv, const float* __restrict__ dq_accum,
                                        const bf16* __restrict__ qkv, const AttentionWriteout w, int N, int T,
                                        int n_head, int n_kv_head, float scale, int rot_cols, float log2_freq_step) {
+  constexpr int kDotSlots = kDots == 3 ? 4 : 1;            // per row, a power of two
+  constexpr int kBatchValues = kBatchRows * kDotSlots;     // dot values per thread and batch
+  constexpr int kLanesPerValue = 32 / kBatchValues;
   __shared__ float s_rstd[kGroupRows], s_rstd_mean[kGroupRows];
-  __shared__ float s_dots[kWriteoutMaxThreads / 32][kGroupRows * kDots];
-  const int row0 = blockIdx.x * kGroupRows;
+  __shared__ float s_dots[kWriteoutMaxThreads / 32][kGroupRows * kDotSlots];
+  const int row0 = blockIdx.x * kGroupRows, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x < kGroupRows) {
     const int row = row0 + threadIdx.x;
     float rstd = 0.f, rstd_mean = 0.f;
@@ -458,13 +488,16 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     }
     s_rstd[threadIdx.x] = rstd, s_rstd_mean[threadIdx.x] = rstd_mean;
   }
-  __syncthreads();
+  for (int i = threadIdx.x; i < kWriteoutMaxThreads / 32 * kGroupRows * kDotSlots; i += blockDim.x)
+    (&s_dots[0][0])[i] = 0.f;
 
-  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, q_cols = n_head * HD;
-  float dots[kGroupRows][kDots] = {};
-  for (int chunk = threadIdx.x; chunk < qkv_dim / 8; chunk += blockDim.x) {
-    const int col = chunk * 8, head = col / HD, d = col % HD;
-    const bool rotate = col < rot_cols;
+  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, q_cols = n_head * HD, chunks = qkv_dim / 8;
+  // Every thread runs every pass (the shuffles need whole warps); past the last chunk it runs on chunk 0
+  // and drops its results.
+  for (int pass = 0; pass < chunks; pass += blockDim.x) {
+    const bool active = pass + static_cast<int>(threadIdx.x) < chunks;
+    const int col = active ? (pass + threadIdx.x) * 8 : 0, head = col / HD, d = col % HD;
+    const bool rotate = col < rot_cols, from_dq = col < q_cols;
     float freq[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) freq[p] = epi::rope_turns_per_position(static_cast<float>(d + 2 * p), log2_freq_step);
@@ -474,73 +507,80 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
       load_float8(b_prime, w.b_prime + col);
     }
     float col_a[8] = {}, col_b[8] = {};
+#pragma unroll 1
+    for (int r0 = 0; r0 < kGroupRows; r0 += kBatchRows) {
+      // The batch's loads: dz (the scaled dQ accumulator, or dk / dv as the main kernel stored them) and z.
+      float dz[kBatchRows][8], z[kBatchRows][8];
+      uint4 raw_dz[kBatchRows], raw_z[kBatchRows];
 #pragma unroll
-    for (int r = 0; r < kGroupRows; ++r) {
-      const int row = row0 + r;
-      if (row < N) {
-        const int b = row / T, t = row % T;
-        bf16* dst = dqkv + static_cast<size_t>(row) * qkv_dim + col;
-        float dz[8], z[8];
-        if (col < q_cols) {
-          load_float8(dz, dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
+      for (int r = 0; r < kBatchRows; ++r) {
+        const int row = min(row0 + r0 + r, N - 1), b = row / T, t = row % T;
+        if (from_dq)
+          load_float8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
+        else
+          raw_dz[r] = *reinterpret_cast<const uint4*>(dqkv + static_cast<size_t>(row) * qkv_dim + col);
+        raw_z[r] = __ldg(reinterpret_cast<const uint4*>(qkv + static_cast<size_t>(row) * qkv_dim + col));
+      }
+      if (pass == 0 && r0 == 0) __syncthreads();  // s_rstd, s_rstd_mean and the zeroed s_dots are ready
+      float dots[kBatchValues] = {};
 #pragma unroll
-          for (int i = 0; i < 8; ++i) dz[i] *= scale;
+      for (int r = 0; r < kBatchRows; ++r) {
+        const int row = row0 + r0 + r, t = row % T;
+        const bool valid = active && row < N;
+        if (from_dq) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dz[r][i] *= valid ? scale : 0.f;
         } else {
-          unpack_bf16x8(dz, dst);
-        }
-        unpack_bf16x8(z, qkv + static_cast<size_t>(row) * qkv_dim + col);
+          unpack_bf16x8(dz[r], raw_dz[r]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) dots[r][0] += dz[i] * z[i];
+          for (int i = 0; i < 8; ++i) dz[r][i] = valid ? dz[r][i] : 0.f;
+        }
+        unpack_bf16x8(z[r], raw_z[r]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dots[r * kDotSlots] += dz[r][i] * z[r][i];
         if (rotate) {
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
             float sin_a, cos_a;
             epi::sincos_turns(static_cast<float>(t) * freq[p], &sin_a, &cos_a);
-            const float x0 = dz[2 * p], x1 = dz[2 * p + 1];
-            dz[2 * p] = x0 * cos_a + x1 * sin_a;
-            dz[2 * p + 1] = x1 * cos_a - x0 * sin_a;
+            const float x0 = dz[r][2 * p], x1 = dz[r][2 * p + 1];
+            dz[r][2 * p] = x0 * cos_a + x1 * sin_a;
+            dz[r][2 * p + 1] = x1 * cos_a - x0 * sin_a;
           }
         }
         if constexpr (kDots == 3) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            dots[r][1] += dz[i] * c[i];
-            dots[r][2] += dz[i] * b_prime[i];
+            dots[r * kDotSlots + 1] += dz[r][i] * c[i];
+            dots[r * kDotSlots + 2] += dz[r][i] * b_prime[i];
           }
         }
         if (w.col_a != nullptr) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            col_b[i] += dz[i];
-            col_a[i] += s_rstd_mean[r] * dz[i];
+            col_b[i] += dz[r][i];
+            col_a[i] += s_rstd_mean[r0 + r] * dz[r][i];
           }
         }
-        const float rs = s_rstd[r];
-        *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(rs * dz[0], rs * dz[1]), pack_bf16(rs * dz[2], rs * dz[3]),
-                                                    pack_bf16(rs * dz[4], rs * dz[5]), pack_bf16(rs * dz[6], rs * dz[7]));
+        const float rs = s_rstd[r0 + r];
+        if (valid)
+          *reinterpret_cast<uint4*>(dqkv + static_cast<size_t>(row) * qkv_dim + col) =
+              make_uint4(pack_bf16(rs * dz[r][0], rs * dz[r][1]), pack_bf16(rs * dz[r][2], rs * dz[r][3]),
+                         pack_bf16(rs * dz[r][4], rs * dz[r][5]), pack_bf16(rs * dz[r][6], rs * dz[r][7]));
       }
+      const float warp_total = warp_sum_scattered<kBatchValues>(dots, lane);
+      if (lane % kLanesPerValue == 0) s_dots[warp][r0 * kDotSlots + lane / kLanesPerValue] += warp_total;
     }
-    if (w.col_a != nullptr) {
+    if (w.col_a != nullptr && active) {
       store_float8(w.col_a + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_a);
       store_float8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
     }
   }
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-  for (int r = 0; r < kGroupRows; ++r)
-#pragma unroll
-    for (int k = 0; k < kDots; ++k) {
-      float v = dots[r][k];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == 0) s_dots[warp][r * kDots + k] = v;
-    }
   __syncthreads();
   for (int i = threadIdx.x; i < kGroupRows * kDots; i += blockDim.x) {
-    const int row = row0 + i / kDots, k = i % kDots;
+    const int r = i / kDots, k = i % kDots, row = row0 + r;
     float sum = 0.f;
-    for (int wp = 0; wp < static_cast<int>(blockDim.x / 32); ++wp) sum += s_dots[wp][i];
+    for (int wp = 0; wp < static_cast<int>(blockDim.x / 32); ++wp) sum += s_dots[wp][r * kDotSlots + k];
     if (row < N) (k == 0 ? w.dot_z : k == 1 ? w.dot_c : w.dot_b)[row] = sum;
   }
 }
@@ -569,9 +609,15 @@ void validate_writeout(const AttentionWriteout& w) {
 template <int HD>
 void launch_writeout(bf16* dqkv, const float* dq_accum, const bf16* qkv, const AttentionWriteout& w,
                      const AttentionShape& s, float scale, cudaStream_t stream) {
+  // Threads: whole warps that divide the row's chunks evenly where they can (gpt2-124m: 288 chunks, 96
+  // threads; llama3.2-1b: 384, 192), so no lane idles; small blocks, so that several fill an SM.
   const int chunks = s.qkv_dim() / 8;
-  const int per_thread = (chunks + kWriteoutMaxThreads - 1) / kWriteoutMaxThreads;
-  const int threads = ((chunks + per_thread - 1) / per_thread + 31) / 32 * 32;
+  int threads = std::min(kWriteoutMaxThreads, (chunks + 31) / 32 * 32);
+  for (int warps = 6; warps >= 1 && chunks % 32 == 0; --warps)
+    if (chunks / 32 % warps == 0) {
+      threads = 32 * warps;
+      break;
+    }
   const int rows = s.B * s.T, blocks = (rows + kGroupRows - 1) / kGroupRows;
   const bool rope = w.rope_theta > 0.0f;
   const int rot_cols = rope ? (s.n_head + s.n_kv_head) * HD : 0;
