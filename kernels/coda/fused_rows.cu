@@ -8,7 +8,7 @@
 // norm's backward reads, so its statistics must be those of the stored values): O = bf16(h (.) gamma),
 // sum = sum_j h, sumsq = sum_j h^2 (row partials with count 1).
 // ln_weight_vectors reads each row of W once for both dot products (c = W gamma, b' = W beta + bias).
-// loss_from_partials is one thread per row over the row's few (max, sum) partials.
+// loss_from_partials is one warp per row over the row's (max, sum) partials (one per LM-head N tile).
 #include <stdexcept>
 #include <string>
 
@@ -95,13 +95,27 @@ __global__ void __launch_bounds__(kRowWarps * 32)
   }
 }
 
-__global__ void loss_from_partials_kernel(float* losses, float* lse, const epi::LogSumExp::Out* partials, int count,
-                                          const float* target_logit, int N) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+// One warp per row: lane l merges partials l, l + 32, ... (coalesced 8-byte loads), then the lanes' pairs
+// meet in a fixed butterfly order.
+__global__ void __launch_bounds__(kRowWarps * 32)
+    loss_from_partials_kernel(float* losses, float* lse, const epi::LogSumExp::Out* partials, int count,
+                              const float* target_logit, int N) {
+  const int row = blockIdx.x * kRowWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= N) return;
-  const float row_lse = epi::merge_lse(partials + static_cast<size_t>(row) * count, count);
-  lse[row] = row_lse;
-  losses[row] = row_lse - target_logit[row];
+  const epi::LogSumExp::Out* mine = partials + static_cast<size_t>(row) * count;
+  float m = -INFINITY, s = 0.0f;
+  for (int i = lane; i < count; i += 32) {
+    const epi::LogSumExp::Out p = mine[i];
+    epi::LogSumExp::merge(m, s, p.max, p.sum);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+    epi::LogSumExp::merge(m, s, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, s, offset));
+  if (lane == 0) {
+    const float row_lse = m + logf(s);
+    lse[row] = row_lse;
+    losses[row] = row_lse - target_logit[row];
+  }
 }
 
 __global__ void __launch_bounds__(kRowWarps * 32)
@@ -165,8 +179,8 @@ void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* ls
   const profile::Region region("loss from partials", stream);
   if (count < 1) throw std::invalid_argument("fused::loss_from_partials: count = " + std::to_string(count));
   if (N == 0) return;
-  loss_from_partials_kernel<<<unfused::blocks_for(N, 256), 256, 0, stream>>>(losses, lse, lse_partials, count,
-                                                                            target_logit, N);
+  loss_from_partials_kernel<<<unfused::blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
+      losses, lse, lse_partials, count, target_logit, N);
   CUDA_CHECK_LAUNCH();
 }
 
