@@ -13,15 +13,13 @@
 //    cluster, and each row's total is the sum of the slices' values in rank order, read through
 //    distributed shared memory (fused_cluster.cuh). So the dots are complete rows (count 1) and
 //    deterministic, with no atomics and no workspace.
-// The next kAhead rows' packets are loaded before the current row is processed (a ring of registers), so
-// every thread keeps kAhead + 1 rows' loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once, and
+// The next row's packets are loaded before the current row is processed, so every thread keeps two rows'
+// loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once, and
 // c, b' (fp32 [Vp], re-read for every row) stay in L1. The per-row scalars (lse, target, r, mu) are
 // staged in shared memory once per block.
 // The slice count (the cluster size, at most 8) trades the blocks' passes over their rows against the
-// waves of blocks (dlogits_slices); Each thread takes two packets per row; RMSNorm (no column accumulators)
-// runs four blocks per SM and loads two rows ahead, LayerNorm two blocks and one row ahead. Measured at
-// gpt2-124m's shape (bench_fused, session 6): RMSNorm with four packets one row ahead 2390 us, two packets
-// two rows ahead 2052 us; LayerNorm two or four rows ahead no faster (2211-2440 us against 2206).
+// waves of blocks (dlogits_slices); RMSNorm (no column accumulators) gives each thread four packets per
+// row, LayerNorm two, to keep register use low enough for several blocks per SM.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -43,8 +41,7 @@ constexpr int kGroupRows = 128;
 template <bool kLayerNorm>
 struct DlogitsShape {
   static constexpr int kDots = kLayerNorm ? 3 : 1;     // dot_z (, dot_c, dot_b)
-  static constexpr int kPackets = 2;                   // packets per thread and row
-  static constexpr int kAhead = kLayerNorm ? 1 : 2;    // rows whose loads are in flight ahead of the current one
+  static constexpr int kPackets = kLayerNorm ? 2 : 4;  // packets per thread and row
   static constexpr int kChunk = kPackets * kThreads;   // packets a block covers per pass over its rows
   static constexpr int kMinBlocks = kLayerNorm ? 2 : 4;  // per SM: enough loads in flight to stream
 };
@@ -88,26 +85,19 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
       valid[k] = packet[k] < end;
     }
     float col_a[kPackets][8] = {}, col_b[kPackets][8] = {};
-    // A ring of the next kAhead rows' packets: row r + kAhead is loaded into the slot row r leaves.
-    uint4 ahead[Shape::kAhead][kPackets];
-    auto load_row = [&](uint4 (&slot)[kPackets], int r) {
+    uint4 next[kPackets];
+    auto load_row = [&](int r) {
       const uint4* src = reinterpret_cast<const uint4*>(args.logits + static_cast<size_t>(row0 + r) * args.Vp);
 #pragma unroll
       for (int k = 0; k < kPackets; ++k)
-        if (valid[k]) slot[k] = __ldcs(src + packet[k]);
+        if (valid[k]) next[k] = __ldcs(src + packet[k]);
     };
-#pragma unroll
-    for (int s = 0; s < Shape::kAhead; ++s)
-      if (s < rows) load_row(ahead[s], s);
-    for (int r_base = 0; r_base < rows; r_base += Shape::kAhead)
-#pragma unroll
-    for (int s = 0; s < Shape::kAhead; ++s) {
-      const int r = r_base + s;
-      if (r >= rows) break;
+    load_row(0);
+    for (int r = 0; r < rows; ++r) {
       uint4 current[kPackets];
 #pragma unroll
-      for (int k = 0; k < kPackets; ++k) current[k] = ahead[s][k];
-      if (r + Shape::kAhead < rows) load_row(ahead[s], r + Shape::kAhead);
+      for (int k = 0; k < kPackets; ++k) current[k] = next[k];
+      if (r + 1 < rows) load_row(r + 1);
       const float lse = row_lse[r], rstd = row_rstd[r], scaled_mean = kLayerNorm ? rstd * row_mean[r] : 0.0f;
       const int target = row_target[r];
       uint4* dst = reinterpret_cast<uint4*>(args.dlogits + static_cast<size_t>(row0 + r) * args.Vp);
@@ -179,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
 // Cluster size (column slices per row group). Modelled cost of a slice count: the waves of blocks the GPU
 // runs (resident blocks: SMs x occupancy) times the passes (chunks) each block makes over its rows; ties
 // go to the fewest idle packet slots, then to more slices. For gpt2-124m (N = 32768, Vp = 50304) this is
-// one slice for LayerNorm (256 blocks, all resident) and 2 for RMSNorm.
+// one slice for LayerNorm (256 blocks, all resident) and 7 for RMSNorm.
 template <bool kLayerNorm>
 int dlogits_slices(int packets, int groups) {
   static const int resident = [] {
