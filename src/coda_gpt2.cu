@@ -66,10 +66,10 @@ class CodaGpt2Backend : public CodaBackend {
   void weight_vectors();
   // d_residual += the LayerNorm backward of a norm (its partials, input h, parameters at norm_w, norm_b)
   // from the scaled gradient dz' [N, K] of the GEMM after it (weight W [K, C]) and the row dots of dz;
-  // adds dgamma and dbeta into the gradients and leaves the column sums of the new d_residual (the bias
-  // gradient of the projection below) in ln_cols_.residual.
+  // adds dgamma, dbeta and the column sums of the new d_residual (the gradient of residual_bias, the
+  // bias of the projection below; kAbsent below the first layer) into the gradients, in one launch.
   void ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats, const prog::LnDots& dots,
-                   const bf16* h, size_t norm_w, size_t norm_b, int N);
+                   const bf16* h, size_t norm_w, size_t norm_b, size_t residual_bias, int N);
   // dW += dz'^T O - a gamma^T + b beta^T and dbias += b (W [rows, C] after the norm at norm_w, norm_b;
   // a, b from col_a_, col_b_ in `groups` row groups).
   void ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* O, int rows, int N, int groups,
@@ -188,14 +188,16 @@ void CodaGpt2Backend::head_forward(int B, int T) {
 // ---- backward ----
 
 void CodaGpt2Backend::ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats,
-                                  const prog::LnDots& dots, const bf16* h, size_t norm_w, size_t norm_b, int N) {
+                                  const prog::LnDots& dots, const bf16* h, size_t norm_w, size_t norm_b,
+                                  size_t residual_bias, int N) {
   const int C = config_.d_model, groups = prog::column_partial_groups(N);
   gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(W), N, C, K, false,
                               prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w),
                                                               scratch_.d_residual, ln_cols_),
                               stream_);
-  fused::add_column_partials(grad(norm_w), ln_cols_.dgamma, groups, C, C, 1.0f, stream_);
-  fused::add_column_partials(grad(norm_b), ln_cols_.dbeta, groups, C, C, 1.0f, stream_);
+  fused::add_column_partials({{grad(norm_w), ln_cols_.dgamma}, {grad(norm_b), ln_cols_.dbeta},
+                              {grad(residual_bias), ln_cols_.residual}},
+                             groups, C, C, 1.0f, stream_);
 }
 
 void CodaGpt2Backend::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* O, int rows, int N,
@@ -219,7 +221,7 @@ void CodaGpt2Backend::head_backward(int B, int T, float dloss) {
 
   CUDA_CHECK(cudaMemsetAsync(scratch_.d_residual, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
   ln_backward(acts_.logits, layout_.head_weight(), V, normf_stats_, {dot_z_, dot_c_, dot_b_, 1}, acts_.output,
-              layout_.normf_w, layout_.normf_b, N);
+              layout_.normf_w, layout_.normf_b, layout_.layers.back().mlp_down_b, N);
   ln_linear_wgrad(layout_.head_weight(), kAbsent, acts_.logits, acts_.normf, V, N,
                   ceil_div(N, fused::dlogits_group_rows()), layout_.normf_w, layout_.normf_b);
 }
@@ -232,7 +234,6 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
   bf16* d_residual = scratch_.d_residual;  // holds the gradient of this layer's output
   bf16* d_up = scratch_.d_act;             // dz' of the fc output
 
-  fused::add_column_partials(grad(p.mlp_down_b), ln_cols_.residual, groups, C, C, 1.0f, stream_);
   const prog::LnDots fc_dots{dot_z_, dot_c_, dot_b_, row_partials(GemmLayout::Dgrad, N, F, C)};
   gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_up, d_residual, weight(p.mlp_down_w), N, F, C, false,
                               prog::gpt2::proj_dgrad_program(a.up, F, norm_partials(norm2_stats_[layer]),
@@ -240,10 +241,9 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
                                                              fc_dots, grad_cols_),
                               stream_);
   gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
-  ln_backward(d_up, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.mid, p.norm2_w, p.norm2_b, N);
+  ln_backward(d_up, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.mid, p.norm2_w, p.norm2_b, p.attn_proj_b, N);
   ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up, a.norm2, F, N, groups, p.norm2_w, p.norm2_b);
 
-  fused::add_column_partials(grad(p.attn_proj_b), ln_cols_.residual, groups, C, C, 1.0f, stream_);
   gemm_dgrad(scratch_.d_attn, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
   gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
   AttentionWriteout writeout;
@@ -258,7 +258,7 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
   attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
                      attention_shape(B, T), stream_, &writeout);
   ln_backward(scratch_.d_qkv, p.qkv_w, Q, norm1_stats_[layer], {dot_z_, dot_c_, dot_b_, 1}, a.input, p.norm1_w,
-              p.norm1_b, N);
+              p.norm1_b, layer > 0 ? layout_.layers[layer - 1].mlp_down_b : kAbsent, N);
   ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, ceil_div(N, attention_writeout_group_rows()),
                   p.norm1_w, p.norm1_b);
 }

@@ -125,7 +125,7 @@ void CodaLlamaBackend::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int 
                               norm_backward_program(norm_partials(stats), dot_z_, dot_count, h, C, weight(gamma),
                                                     dgamma_partials_),
                               stream_);
-  fused::add_column_partials(grad(gamma), dgamma_partials_, prog::column_partial_groups(N), C, C, 1.0f, stream_);
+  fused::add_column_partials({{grad(gamma), dgamma_partials_}}, prog::column_partial_groups(N), C, C, 1.0f, stream_);
 }
 
 void CodaLlamaBackend::head_backward(int B, int T, float dloss) {

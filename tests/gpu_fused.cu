@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <vector>
 
 #include "kernels/coda/fused.cuh"
@@ -289,30 +290,64 @@ std::vector<double> column_sums(const std::vector<float>& partials, int groups, 
   return s;
 }
 
-void check_add_column_partials(int groups, int ld, int n) {
-  SCOPED_TRACE("groups=" + std::to_string(groups) + " ld=" + std::to_string(ld) + " n=" + std::to_string(n));
-  coda::Rng rng(31 + groups);
-  const std::vector<float> partials = random_values(static_cast<size_t>(groups) * ld, rng, 0.3f, 0.05f);
-  const std::vector<float> grad = random_values(n, rng, 2.0f);
+// `arrays` (gradient, partials) pairs in one launch, with a pair without gradient among them (skipped).
+void check_add_column_partials(int groups, int ld, int n, int arrays) {
+  SCOPED_TRACE("groups=" + std::to_string(groups) + " ld=" + std::to_string(ld) + " n=" + std::to_string(n) +
+               " arrays=" + std::to_string(arrays));
+  coda::Rng rng(31 + groups + arrays);
   const float scale = 0.75f;
-  const std::vector<double> sums = column_sums(partials, groups, ld, n);
-  std::vector<float> expected(n);
-  for (int j = 0; j < n; ++j) expected[j] = static_cast<float>(grad[j] + scale * sums[j]);
-  DeviceBuffer<float> d_partials(partials), d_grad(grad);
-  fused::add_column_partials(d_grad.get(), d_partials.get(), groups, ld, n, scale, 0);
-  const std::vector<float> got = d_grad.download();
-  EXPECT_LT(rel_error(got, expected), kFp32Tol);
-  d_grad.upload(grad);
-  fused::add_column_partials(d_grad.get(), d_partials.get(), groups, ld, n, scale, 0);
-  const std::vector<float> again = d_grad.download();
-  EXPECT_EQ(std::memcmp(again.data(), got.data(), got.size() * sizeof(float)), 0);
+  std::vector<std::vector<float>> grads, expected;
+  std::deque<DeviceBuffer<float>> d_partials, d_grads;  // a deque: the buffers do not move
+  for (int a = 0; a < arrays; ++a) {
+    const std::vector<float> partials = random_values(static_cast<size_t>(groups) * ld, rng, 0.3f, 0.05f);
+    grads.push_back(random_values(n, rng, 2.0f));
+    const std::vector<double> sums = column_sums(partials, groups, ld, n);
+    expected.emplace_back(n);
+    for (int j = 0; j < n; ++j) expected[a][j] = static_cast<float>(grads[a][j] + scale * sums[j]);
+    d_partials.emplace_back(partials);
+    d_grads.emplace_back(grads[a]);
+  }
+  auto run = [&] {
+    if (arrays == 1) fused::add_column_partials({{d_grads[0].get(), d_partials[0].get()}}, groups, ld, n, scale, 0);
+    if (arrays == 2)
+      fused::add_column_partials({{d_grads[0].get(), d_partials[0].get()}, {nullptr, d_partials[0].get()},
+                                  {d_grads[1].get(), d_partials[1].get()}},
+                                 groups, ld, n, scale, 0);
+    if (arrays == 3)
+      fused::add_column_partials({{d_grads[0].get(), d_partials[0].get()}, {d_grads[1].get(), d_partials[1].get()},
+                                  {d_grads[2].get(), d_partials[2].get()}},
+                                 groups, ld, n, scale, 0);
+  };
+  run();
+  std::vector<std::vector<float>> got;
+  for (int a = 0; a < arrays; ++a) {
+    got.push_back(d_grads[a].download());
+    EXPECT_LT(rel_error(got[a], expected[a]), kFp32Tol) << "array " << a;
+    d_grads[a].upload(grads[a]);
+  }
+  run();
+  for (int a = 0; a < arrays; ++a) {
+    const std::vector<float> again = d_grads[a].download();
+    EXPECT_EQ(std::memcmp(again.data(), got[a].data(), got[a].size() * sizeof(float)), 0) << "array " << a;
+  }
 }
 
 TEST(GpuFused, AddColumnPartials) {
   SKIP_WITHOUT_GPU();
-  check_add_column_partials(2053, 776, 764);  // a GEMM's 16-row groups: clusters of 8, a partial last tile
-  check_add_column_partials(100, 3072, 3072); // one block per cluster
-  check_add_column_partials(700, 52, 36);     // clusters of 3, one and a bit tiles
+  check_add_column_partials(2053, 776, 764, 1);  // a GEMM's 16-row groups: clusters of 8, a partial last tile
+  check_add_column_partials(100, 3072, 3072, 1); // one block per cluster
+  check_add_column_partials(700, 52, 36, 1);     // clusters of 3, one and a bit tiles
+  check_add_column_partials(2053, 776, 764, 3);  // the LayerNorm backward's three: dgamma, dbeta, a bias
+  check_add_column_partials(700, 52, 36, 2);     // two, and a pair without gradient skipped
+}
+
+TEST(GpuFused, AddColumnPartialsRejectsFourArrays) {
+  SKIP_WITHOUT_GPU();
+  DeviceBuffer<float> d(std::vector<float>(64, 0.0f));
+  EXPECT_THROW(fused::add_column_partials({{d.get(), d.get()}, {d.get(), d.get()}, {d.get(), d.get()},
+                                           {d.get(), d.get()}},
+                                          1, 64, 64, 1.0f, 0),
+               std::invalid_argument);
 }
 
 void check_ln_wgrad_correction(int groups, int rows, int d, bool with_bias) {

@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "kernels/coda/norm_stats.cuh"
 
@@ -76,8 +77,13 @@ void dlogits(const DlogitsArgs& args, cudaStream_t stream);
 void ln_weight_vectors(float* c, float* b_prime, const bf16* W, int rows, int d, const bf16* gamma,
                        const bf16* beta, const bf16* bias, cudaStream_t stream);
 
-// grad[j] += scale * sum over g < groups of partials[g * ld + j], j < n (deterministic order).
-void add_column_partials(float* grad, const float* partials, int groups, int ld, int n, float scale,
+// grad[j] += scale * sum over g < groups of partials[g * ld + j], j < n (deterministic order), for each of
+// up to three pairs in one launch (pairs with grad == nullptr are skipped).
+struct ColumnPartials {
+  float* grad;
+  const float* partials;
+};
+void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups, int ld, int n, float scale,
                          cudaStream_t stream);
 
 // The LayerNorm terms of a weight gradient computed as dz'^T O (see above): with a = sum_g col_a[g, :],

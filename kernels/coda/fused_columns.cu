@@ -1,6 +1,7 @@
 // Finishing column partials ([groups, ld] fp32, one row per row group of their producer: a GEMM
 // epilogue's ColDot, the dlogits pass, the attention write-out) into parameter gradients:
-//   add_column_partials   grad[j] += scale * sum_g partials[g, j]  (norm gammas and betas, biases);
+//   add_column_partials   grad[j] += scale * sum_g partials[g, j]  (norm gammas and betas, biases), for up
+//                         to three (grad, partials) pairs of the same shape in one launch;
 //   ln_wgrad_correction   dW[n, k] += b[n] beta[k] - a[n] gamma[k], a and b the column sums of col_a and
 //                         col_b (the LayerNorm terms of a weight gradient computed as dz'^T O, fused.cuh),
 //                         and dbias[n] += b[n].
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/fused_cluster.cuh"
@@ -32,6 +34,13 @@ constexpr int kTileCols = 32;
 constexpr int kQuads = kTileCols / 4;           // threads per partial row (one float4 each)
 constexpr int kRowLanes = kThreads / kQuads;    // partial rows read at a time
 constexpr int kGroupsPerBlock = 256;            // the share of the groups that makes a cluster grow
+
+// The (gradient, partials) pairs of one launch, as kernel parameters.
+template <int kArrays>
+struct ColumnSums {
+  float* grad[kArrays];
+  const float* partials[kArrays];
+};
 
 // Shared memory of the tile's column sums of kArrays partial buffers: sums[a][t] is this block's share
 // of column col0 + t, summed over its groups.
@@ -78,14 +87,16 @@ __device__ void tile_column_sums(TileSums<kArrays>& tile, const float* const (&p
   cluster.sync();
 }
 
-__global__ void __launch_bounds__(kThreads) add_column_partials_kernel(float* grad, const float* partials, int groups,
-                                                                       int ld, int n, float scale) {
-  __shared__ TileSums<1> tile;
+template <int kArrays>
+__global__ void __launch_bounds__(kThreads) add_column_partials_kernel(ColumnSums<kArrays> sums, int groups, int ld,
+                                                                       int n, float scale) {
+  __shared__ TileSums<kArrays> tile;
   const int col0 = blockIdx.y * kTileCols;
-  tile_column_sums<1>(tile, {partials}, groups, ld, col0, n);
+  tile_column_sums<kArrays>(tile, sums.partials, groups, ld, col0, n);
   cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   if (cluster.block_rank() == 0 && threadIdx.x < kTileCols && col0 + threadIdx.x < n)
-    grad[col0 + threadIdx.x] += scale * sum_over_cluster(&tile.sums[0][threadIdx.x]);
+#pragma unroll
+    for (int a = 0; a < kArrays; ++a) sums.grad[a][col0 + threadIdx.x] += scale * sum_over_cluster(&tile.sums[a][threadIdx.x]);
   cluster.sync();
 }
 
@@ -132,13 +143,30 @@ void require_float4_columns(const char* what, int n, int ld) {
 
 }  // namespace
 
-void add_column_partials(float* grad, const float* partials, int groups, int ld, int n, float scale,
+template <int kArrays>
+void launch_add_column_partials(const std::vector<ColumnPartials>& list, int groups, int ld, int n, float scale,
+                                cudaStream_t stream) {
+  ColumnSums<kArrays> sums;
+  for (int a = 0; a < kArrays; ++a) sums.grad[a] = list[a].grad, sums.partials[a] = list[a].partials;
+  launch_clustered(add_column_partials_kernel<kArrays>, cluster_blocks_for(groups), (n + kTileCols - 1) / kTileCols,
+                   kThreads, stream, sums, groups, ld, n, scale);
+}
+
+void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups, int ld, int n, float scale,
                          cudaStream_t stream) {
   const profile::Region region("column partials", stream);
   require_float4_columns("fused::add_column_partials", n, ld);
-  if (groups <= 0 || n == 0) return;
-  launch_clustered(add_column_partials_kernel, cluster_blocks_for(groups), (n + kTileCols - 1) / kTileCols, kThreads,
-                   stream, grad, partials, groups, ld, n, scale);
+  std::vector<ColumnPartials> list;
+  for (const ColumnPartials& s : sums)
+    if (s.grad != nullptr) list.push_back(s);
+  if (groups <= 0 || n == 0 || list.empty()) return;
+  switch (list.size()) {
+    case 1: return launch_add_column_partials<1>(list, groups, ld, n, scale, stream);
+    case 2: return launch_add_column_partials<2>(list, groups, ld, n, scale, stream);
+    case 3: return launch_add_column_partials<3>(list, groups, ld, n, scale, stream);
+  }
+  throw std::invalid_argument("fused::add_column_partials: " + std::to_string(list.size()) +
+                              " partial buffers in one launch (at most 3)");
 }
 
 void ln_wgrad_correction(float* dW, float* dbias, const float* col_a, const float* col_b, int groups, int rows,
