@@ -69,6 +69,7 @@
 #include "kernels/cuda_check.cuh"
 #include "kernels/kernel_profile.cuh"
 #include "kernels/sm90/sm90.cuh"
+#include "kernels/unfused/vec.cuh"
 
 namespace coda {
 namespace {
@@ -418,26 +419,6 @@ constexpr int kGroupRows = 16;           // rows per block = rows per column-par
 constexpr int kBatchRows = 4;            // rows whose loads a thread issues together
 constexpr int kWriteoutMaxThreads = 256;
 
-__device__ __forceinline__ void unpack_bf16x8(float (&v)[8], const uint4 raw) {
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ void load_float8(float (&v)[8], const float* src) {
-  const float4 lo = __ldg(reinterpret_cast<const float4*>(src)), hi = __ldg(reinterpret_cast<const float4*>(src) + 1);
-  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-}
-
-__device__ __forceinline__ void store_float8(float* dst, const float (&v)[8]) {
-  reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
 // Warp sums of kValues values per lane at the cost of about kValues shuffles (a reduce-scatter: at each
 // step a lane keeps one half of its values, adds the partner's copy of that half and sends the other).
 // Returns in each lane the warp's sum of value lane / (32 / kValues).
@@ -503,8 +484,8 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     for (int p = 0; p < 4; ++p) freq[p] = epi::rope_turns_per_position(static_cast<float>(d + 2 * p), log2_freq_step);
     float c[8], b_prime[8];
     if constexpr (kDots == 3) {
-      load_float8(c, w.c + col);
-      load_float8(b_prime, w.b_prime + col);
+      unfused::load_f32x8(c, w.c + col);
+      unfused::load_f32x8(b_prime, w.b_prime + col);
     }
     float col_a[8] = {}, col_b[8] = {};
 #pragma unroll 1
@@ -516,7 +497,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
       for (int r = 0; r < kBatchRows; ++r) {
         const int row = min(row0 + r0 + r, N - 1), b = row / T, t = row % T;
         if (from_dq)
-          load_float8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
+          unfused::load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
         else
           raw_dz[r] = *reinterpret_cast<const uint4*>(dqkv + static_cast<size_t>(row) * qkv_dim + col);
         raw_z[r] = __ldg(reinterpret_cast<const uint4*>(qkv + static_cast<size_t>(row) * qkv_dim + col));
@@ -531,11 +512,11 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
 #pragma unroll
           for (int i = 0; i < 8; ++i) dz[r][i] *= valid ? scale : 0.f;
         } else {
-          unpack_bf16x8(dz[r], raw_dz[r]);
+          unfused::unpack_bf16x8(dz[r], raw_dz[r]);
 #pragma unroll
           for (int i = 0; i < 8; ++i) dz[r][i] = valid ? dz[r][i] : 0.f;
         }
-        unpack_bf16x8(z[r], raw_z[r]);
+        unfused::unpack_bf16x8(z[r], raw_z[r]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) dots[r * kDotSlots] += dz[r][i] * z[r][i];
         if (rotate) {
@@ -572,8 +553,8 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
       if (lane % kLanesPerValue == 0) s_dots[warp][r0 * kDotSlots + lane / kLanesPerValue] += warp_total;
     }
     if (w.col_a != nullptr && active) {
-      store_float8(w.col_a + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_a);
-      store_float8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
+      unfused::store_f32x8(w.col_a + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_a);
+      unfused::store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
     }
   }
   __syncthreads();
