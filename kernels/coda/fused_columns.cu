@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/fused_cluster.cuh"
@@ -141,32 +140,36 @@ void require_float4_columns(const char* what, int n, int ld) {
                                 std::to_string(ld) + " must be multiples of 4 with columns <= leading dimension");
 }
 
-}  // namespace
+constexpr int kMaxArrays = 3;  // (gradient, partials) pairs in one add_column_partials launch
 
 template <int kArrays>
-void launch_add_column_partials(const std::vector<ColumnPartials>& list, int groups, int ld, int n, float scale,
+void launch_add_column_partials(const ColumnSums<kMaxArrays>& all, int groups, int ld, int n, float scale,
                                 cudaStream_t stream) {
   ColumnSums<kArrays> sums;
-  for (int a = 0; a < kArrays; ++a) sums.grad[a] = list[a].grad, sums.partials[a] = list[a].partials;
+  for (int a = 0; a < kArrays; ++a) sums.grad[a] = all.grad[a], sums.partials[a] = all.partials[a];
   launch_clustered(add_column_partials_kernel<kArrays>, cluster_blocks_for(groups), (n + kTileCols - 1) / kTileCols,
                    kThreads, stream, sums, groups, ld, n, scale);
 }
+
+}  // namespace
 
 void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups, int ld, int n, float scale,
                          cudaStream_t stream) {
   const profile::Region region("column partials", stream);
   require_float4_columns("fused::add_column_partials", n, ld);
-  std::vector<ColumnPartials> list;
-  for (const ColumnPartials& s : sums)
-    if (s.grad != nullptr) list.push_back(s);
-  if (groups <= 0 || n == 0 || list.empty()) return;
-  switch (list.size()) {
-    case 1: return launch_add_column_partials<1>(list, groups, ld, n, scale, stream);
-    case 2: return launch_add_column_partials<2>(list, groups, ld, n, scale, stream);
-    case 3: return launch_add_column_partials<3>(list, groups, ld, n, scale, stream);
+  ColumnSums<kMaxArrays> list{};
+  int count = 0;
+  for (const ColumnPartials& s : sums) {
+    if (s.grad == nullptr) continue;
+    if (count == kMaxArrays)
+      throw std::invalid_argument("fused::add_column_partials: more than " + std::to_string(kMaxArrays) +
+                                  " partial buffers in one launch");
+    list.grad[count] = s.grad, list.partials[count++] = s.partials;
   }
-  throw std::invalid_argument("fused::add_column_partials: " + std::to_string(list.size()) +
-                              " partial buffers in one launch (at most 3)");
+  if (groups <= 0 || n == 0 || count == 0) return;
+  if (count == 1) return launch_add_column_partials<1>(list, groups, ld, n, scale, stream);
+  if (count == 2) return launch_add_column_partials<2>(list, groups, ld, n, scale, stream);
+  launch_add_column_partials<3>(list, groups, ld, n, scale, stream);
 }
 
 void ln_wgrad_correction(float* dW, float* dbias, const float* col_a, const float* col_b, int groups, int rows,
