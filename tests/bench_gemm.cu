@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -144,24 +145,27 @@ void run_cublas(const Shape& s, Operands& ops, int i, CublasLt& cublas) {
 
 double tflops(const Shape& s, double ms) { return 2.0 * s.M * s.N * double(s.K) / (ms * 1e-3) / 1e12; }
 
+size_t tile_index(GemmTile tile) {
+  return std::find(std::begin(kGemmTiles), std::end(kGemmTiles), tile) - std::begin(kGemmTiles);
+}
+
 void bench_mainloop(CublasLt& cublas) {
   static const char* layouts[] = {"fwd", "dgrad", "wgrad"};
-  std::printf("%-6s %-9s %-6s %6s %6s %6s | %8s %8s %8s | %-16s %6s | %9s\n", "model", "gemm", "pass", "M", "N", "K",
-              "cublas", "coop256", "pp128", "auto", "ratio", "rel.err");
+  std::printf("%-6s %-9s %-6s %6s %6s %6s | %8s %8s %8s %8s | %-16s %6s | %9s\n", "model", "gemm", "pass", "M", "N",
+              "K", "cublas", "coop256", "pp128", "pp64x256", "auto", "ratio", "rel.err");
   double worst = 1e9;
   for (const Shape& s : model_shapes()) {
     Operands ops(s, s.layout == GemmLayout::Wgrad ? 4 : 2);
-    const auto ms = bench::median_ms(g_timed_runs, {[&](int i) { run_cublas(s, ops, i, cublas); },
-                               [&](int i) { run_ours(s, ops, i, GemmTile::Cooperative128x256); },
-                               [&](int i) { run_ours(s, ops, i, GemmTile::PingPong128x128); }});
-    const double t_cublas = tflops(s, ms[0]), t_coop = tflops(s, ms[1]), t_pp = tflops(s, ms[2]);
-    const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K, false);
-    const double t_auto = pick == GemmTile::Cooperative128x256 ? t_coop : t_pp;
+    std::vector<std::function<void(int)>> runs = {[&](int i) { run_cublas(s, ops, i, cublas); }};
+    for (GemmTile tile : kGemmTiles) runs.push_back([&, tile](int i) { run_ours(s, ops, i, tile); });
+    const auto ms = bench::median_ms(g_timed_runs, runs);
+    const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K, GemmEpilogue::Bare);
+    const double t_cublas = tflops(s, ms[0]), t_auto = tflops(s, ms[1 + tile_index(pick)]);
     const double err = compare_with_cublas(s, ops, cublas);
     worst = std::min(worst, t_auto / t_cublas);
-    std::printf("%-6s %-9s %-6s %6d %6d %6d | %8.1f %8.1f %8.1f | %-16s %6.3f | %9.2e\n", s.model, s.name,
-                layouts[static_cast<int>(s.layout)], s.M, s.N, s.K, t_cublas, t_coop, t_pp, gemm_tile_name(pick),
-                t_auto / t_cublas, err);
+    std::printf("%-6s %-9s %-6s %6d %6d %6d | %8.1f %8.1f %8.1f %8.1f | %-16s %6.3f | %9.2e\n", s.model, s.name,
+                layouts[static_cast<int>(s.layout)], s.M, s.N, s.K, t_cublas, tflops(s, ms[1]), tflops(s, ms[2]),
+                tflops(s, ms[3]), gemm_tile_name(pick), t_auto / t_cublas, err);
     std::fflush(stdout);
   }
   std::printf("worst auto/cublas ratio: %.3f\n\n", worst);
@@ -195,23 +199,23 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
   in.rstd = rstd;
   in.gu = gu;
   const Program program = make(in);
-  double overhead[2] = {0.0, 0.0};
-  const GemmTile tiles[2] = {GemmTile::Cooperative128x256, GemmTile::PingPong128x128};
-  for (int t = 0; t < 2; ++t) {
-    const auto ms = bench::median_ms(g_timed_runs, {[&](int i) { run_ours(s, ops, i, tiles[t]); },
+  double overhead[std::size(kGemmTiles)] = {};
+  for (size_t t = 0; t < std::size(kGemmTiles); ++t) {
+    const GemmTile tile = kGemmTiles[t];
+    const auto ms = bench::median_ms(g_timed_runs, {[&](int i) { run_ours(s, ops, i, tile); },
                                [&](int i) {
                                  const int k = i % ops.sets;
-                                 gemm_run<kLayout>(tiles[t], out, ops.A[k], ops.B[k], s.M, s.N, s.K, false, program,
+                                 gemm_run<kLayout>(tile, out, ops.A[k], ops.B[k], s.M, s.N, s.K, false, program,
                                                    nullptr);
                                }});
     overhead[t] = 100.0 * (ms[1] / ms[0] - 1.0);
     std::printf("%-46s %-16s bare %7.3f ms (%5.1f TF/s)  program %7.3f ms (%5.1f TF/s)  overhead %+5.1f%%\n", label,
-                gemm_tile_name(tiles[t]), ms[0], tflops(s, ms[0]), ms[1], tflops(s, ms[1]), overhead[t]);
+                gemm_tile_name(tile), ms[0], tflops(s, ms[0]), ms[1], tflops(s, ms[1]), overhead[t]);
     std::fflush(stdout);
   }
-  const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K, true);
+  const GemmTile pick = gemm_choose_tile(s.layout, s.M, s.N, s.K, gemm_epilogue_of<Program>());
   std::printf("%-46s auto = %-9s overhead %+5.1f%%  (out cols %zu)\n", label, gemm_tile_name(pick),
-              overhead[pick == GemmTile::Cooperative128x256 ? 0 : 1], out_cols);
+              overhead[tile_index(pick)], out_cols);
   CUDA_CHECK(cudaFree(rstd));
   CUDA_CHECK(cudaFree(in.partials));
   CUDA_CHECK(cudaFree(gu));

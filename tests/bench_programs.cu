@@ -92,19 +92,20 @@ struct Gemm {
   }
   const bf16* a(int i) const { return A[i % sets]; }
   const bf16* b(int i) const { return B[i % sets]; }
-  // The program's tile (Auto, as the trainer runs it) and its row partial count per row.
-  GemmTile tile() const { return gemm_choose_tile(layout, M, N, K, true); }
+  // The tile Auto picks for the program (as the trainer runs it), and the row partial count per row.
+  template <class Program>
+  GemmTile tile(const Program&) const { return gemm_choose_tile(layout, M, N, K, gemm_epilogue_of<Program>()); }
   int row_partials() const { return gemm_row_partials(layout, M, N, K); }
   // The cuBLASLt GEMM of the unfused mode: Y = X W^T (forward) or dX = dY W (dgrad), into D [M, N].
   void cublas(CublasLt& lt, bf16* D, int i) const {
     lt.gemm(D, a(i), Op::N, b(i), layout == GemmLayout::Forward ? Op::T : Op::N, M, N, K, false, nullptr);
   }
-  // The identity program on the program's tile, into D [M, N].
-  void bare(bf16* D, int i) const {
+  // The identity program on a program's tile, into D [M, N].
+  void bare(bf16* D, GemmTile tile, int i) const {
     if (layout == GemmLayout::Forward)
-      gemm_forward(D, a(i), b(i), M, N, K, nullptr, tile());
+      gemm_forward(D, a(i), b(i), M, N, K, nullptr, tile);
     else
-      gemm_dgrad(D, a(i), b(i), M, N, K, nullptr, tile());
+      gemm_dgrad(D, a(i), b(i), M, N, K, nullptr, tile);
   }
   // gemm_run with the program, into D (its width as the program maps the N columns).
   template <GemmLayout kLayout, class Program>
@@ -150,10 +151,14 @@ struct Part {
   std::function<void(int)> run;
 };
 
-// Times CODA, bare, the chain and each of its parts interleaved; prints one table row. A launch that
-// throws (a shape the GEMM refuses) is reported in the row and the next case still runs.
-void report(const std::string& program, const Gemm& g, const std::function<void(int)>& coda,
-            const std::function<void(int)>& bare, const std::vector<Part>& chain) {
+// Times CODA (the program run by `coda`), bare (the identity program on the program's tile, into
+// bare_out), the chain and each of its parts interleaved; prints one table row. A launch that throws (a
+// shape the GEMM refuses) is reported in the row and the next case still runs.
+template <class Program>
+void report(const std::string& name, const Gemm& g, const Program& program, const std::function<void(int)>& coda,
+            bf16* bare_out, const std::vector<Part>& chain) {
+  const GemmTile tile = g.tile(program);
+  const auto bare = [&](int i) { g.bare(bare_out, tile, i); };
   std::vector<std::function<void(int)>> runs{coda, bare, [&](int i) {
                                                for (const Part& p : chain) p.run(i);
                                              }};
@@ -162,7 +167,7 @@ void report(const std::string& program, const Gemm& g, const std::function<void(
   try {
     ms = bench::median_ms(g_timed_runs, runs);
   } catch (const std::exception& e) {
-    std::printf("| %s | failed: %s |\n", program.c_str(), e.what());
+    std::printf("| %s | failed: %s |\n", name.c_str(), e.what());
     return;
   }
   std::string parts;
@@ -173,8 +178,8 @@ void report(const std::string& program, const Gemm& g, const std::function<void(
   }
   char row[512];
   std::snprintf(row, sizeof row, "| %s | %s %dx%dx%d | %s | %.0f | %.0f | %+.1f%% | %.0f | %.2fx | %s |",
-                program.c_str(), g.layout == GemmLayout::Forward ? "fwd" : "dgrad", g.M, g.N, g.K,
-                gemm_tile_name(g.tile()), 1e3 * ms[0], 1e3 * ms[1], 100.0 * (ms[0] / ms[1] - 1.0), 1e3 * ms[2],
+                name.c_str(), g.layout == GemmLayout::Forward ? "fwd" : "dgrad", g.M, g.N, g.K,
+                gemm_tile_name(tile), 1e3 * ms[0], 1e3 * ms[1], 100.0 * (ms[0] / ms[1] - 1.0), 1e3 * ms[2],
                 ms[2] / ms[0], parts.c_str());
   std::printf("%s\n", row);
   std::fflush(stdout);
@@ -219,18 +224,19 @@ void ln_linear(Unfused& u, LnLinear kind) {
                           {"cublas", [&](int i) {
                              u.lt.gemm(y, normed, Op::N, g.b(i), Op::T, M, N, C, false, nullptr);
                            }}};
-  const auto bare = [&](int i) { g.bare(bare_out, i); };
   if (kind == LnLinear::Qkv) {
     chain.push_back({"bias_add", [&](int) { unfused::bias_add(y, bias, M, N, nullptr); }});
     const auto program = ln_linear_program(stats, c, b_prime);
-    report("gpt2 QKV forward", g, [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare, chain);
+    report("gpt2 QKV forward", g, program,
+           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   } else if (kind == LnLinear::Fc) {
     bf16* pre = arena.alloc<bf16>(size_t(M) * F);
     bf16* act = arena.alloc<bf16>(size_t(M) * F);
     chain.push_back({"bias_add", [&](int) { unfused::bias_add(y, bias, M, N, nullptr); }});
     chain.push_back({"gelu_forward", [&](int) { unfused::gelu_forward(act, y, size_t(M) * F, nullptr); }});
     const auto program = fc_program(stats, c, b_prime, pre, F);
-    report("gpt2 fc forward", g, [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare, chain);
+    report("gpt2 fc forward", g, program,
+           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   } else {
     std::vector<int32_t> host_targets(M);
     for (int r = 0; r < M; ++r) host_targets[r] = static_cast<int32_t>((size_t(r) * 7919) % V);
@@ -243,7 +249,8 @@ void ln_linear(Unfused& u, LnLinear kind) {
     chain.push_back({"crossentropy_forward",
                      [&](int) { unfused::crossentropy_forward(losses, lse, y, targets, M, V, Vp, nullptr); }});
     const auto program = lm_head_program(stats, c, b_prime, targets, target_logit, lse_partials, V);
-    report("gpt2 LM head", g, [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare, chain);
+    report("gpt2 LM head", g, program,
+           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   }
 }
 
@@ -262,8 +269,8 @@ void residual(Unfused& u) {
   bf16* proj = arena.alloc<bf16>(size_t(M) * C);
   bf16* h_unfused = arena.alloc<bf16>(size_t(M) * C);
   const auto program = prog::gpt2::residual_program(res, bias, h, C, gamma, sum, sumsq);
-  report("gpt2 residual (proj) forward", g, [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); },
-         [&](int i) { g.bare(bare_out, i); },
+  report("gpt2 residual (proj) forward", g, program,
+         [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
           {"bias_add", [&](int) { unfused::bias_add(proj, bias, M, C, nullptr); }},
           {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}});
@@ -290,8 +297,8 @@ void proj_dgrad(Unfused& u) {
   float* d_bias = arena.alloc<float>(F);
   CUDA_CHECK(cudaMemset(d_bias, 0, F * sizeof(float)));
   const auto program = prog::gpt2::proj_dgrad_program(pre, F, stats, c, b_prime, ln_dots, grad_cols);
-  report("gpt2 proj dgrad + GELU backward", g, [&](int i) { g.coda<GemmLayout::Dgrad>(out, false, program, i); },
-         [&](int i) { g.bare(bare_out, i); },
+  report("gpt2 proj dgrad + GELU backward", g, program,
+         [&](int i) { g.coda<GemmLayout::Dgrad>(out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
           {"gelu_backward", [&](int) { unfused::gelu_backward(d_up, d_act, pre, size_t(M) * F, nullptr); }},
           {"column_sum", [&](int) { unfused::column_sum(d_bias, d_up, M, F, F, u.ws, nullptr); }}});
@@ -326,8 +333,8 @@ void ln_backward(Unfused& u, const std::string& name, int K, int stats_count, in
   float* d_bias = arena.alloc<float>(C);
   for (float* p : {d_gamma, d_beta, d_bias}) CUDA_CHECK(cudaMemset(p, 0, C * sizeof(float)));
   const auto program = prog::gpt2::ln_backward_program(stats, ln_dots, h, C, gamma, d_residual, ln_cols);
-  report(name, g, [&](int i) { g.coda<GemmLayout::Dgrad>(d_residual, false, program, i); },
-         [&](int i) { g.bare(bare_out, i); },
+  report(name, g, program, [&](int i) { g.coda<GemmLayout::Dgrad>(d_residual, false, program, i); },
+         bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
           {"layernorm_backward",
            [&](int) {
@@ -381,7 +388,6 @@ void normed(Unfused& u, Normed kind) {
       {"rmsnorm_forward",
        [&](int i) { unfused::rmsnorm_forward(normed_h, rstd, g.a(i), gamma, M, C, kEps, nullptr); }},
       {"cublas", [&](int i) { u.lt.gemm(y, normed_h, Op::N, g.b(i), Op::T, M, N, C, false, nullptr); }}};
-  const auto bare = [&](int i) { g.bare(bare_out, i); };
   if (kind == Normed::Qkv) {
     const std::vector<float2> table = unfused::rope_table(T, hd, kTheta);
     auto* rope_table = arena.alloc<float2>(table.size());
@@ -389,15 +395,16 @@ void normed(Unfused& u, Normed kind) {
     bf16* out = arena.alloc<bf16>(size_t(M) * N);
     chain.push_back({"rope", [&](int) { unfused::rope(y, rope_table, B, T, n_head, n_kv_head, hd, false, nullptr); }});
     const auto program = qkv_program(stats, epi::Rope{T, hd, (n_head + n_kv_head) * hd, std::log2(kTheta)});
-    report("llama QKV + RoPE", g, [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare, chain);
+    report("llama QKV + RoPE", g, program,
+           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   } else if (kind == Normed::GateUp) {
     bf16* gu = arena.alloc<bf16>(size_t(M) * N);
     bf16* act = arena.alloc<bf16>(size_t(M) * F);
     bf16* act_unfused = arena.alloc<bf16>(size_t(M) * F);
     chain.push_back({"swiglu_forward", [&](int) { unfused::swiglu_forward(act_unfused, y, M, F, nullptr); }});
     const auto program = gate_up_program(stats, gu, N);
-    report("llama gate/up + SwiGLU", g, [&](int i) { g.coda<GemmLayout::Forward>(act, false, program, i); }, bare,
-           chain);
+    report("llama gate/up + SwiGLU", g, program,
+           [&](int i) { g.coda<GemmLayout::Forward>(act, false, program, i); }, bare_out, chain);
   } else {
     std::vector<int32_t> host_targets(M);
     for (int r = 0; r < M; ++r) host_targets[r] = static_cast<int32_t>((size_t(r) * 7919) % V);
@@ -411,7 +418,8 @@ void normed(Unfused& u, Normed kind) {
     chain.push_back({"crossentropy_forward",
                      [&](int) { unfused::crossentropy_forward(losses, lse, y, targets, M, V, Vp, nullptr); }});
     const auto program = lm_head_program(stats, targets, target_logit, lse_partials, V);
-    report("llama LM head", g, [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare, chain);
+    report("llama LM head", g, program,
+           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   }
 }
 
@@ -428,8 +436,8 @@ void residual(Unfused& u) {
   bf16* proj = arena.alloc<bf16>(size_t(M) * C);
   bf16* h_unfused = arena.alloc<bf16>(size_t(M) * C);
   const auto program = prog::llama::residual_program(res, h, C, gamma, sumsq);
-  report("llama residual (down) forward", g, [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); },
-         [&](int i) { g.bare(bare_out, i); },
+  report("llama residual (down) forward", g, program,
+         [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
           {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}});
 }
@@ -447,8 +455,8 @@ void down_dgrad(Unfused& u) {
   bf16* d_act = arena.alloc<bf16>(size_t(M) * F);
   bf16* d_gu = arena.alloc<bf16>(size_t(M) * 2 * F);
   const auto program = prog::llama::swiglu_backward_program(gu, 2 * F, stats, dots);
-  report("llama down dgrad + SwiGLU backward", g,
-         [&](int i) { g.coda<GemmLayout::Dgrad>(out, false, program, i); }, [&](int i) { g.bare(bare_out, i); },
+  report("llama down dgrad + SwiGLU backward", g, program,
+         [&](int i) { g.coda<GemmLayout::Dgrad>(out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
           {"swiglu_backward", [&](int) { unfused::swiglu_backward(d_gu, d_act, gu, M, F, nullptr); }}});
 }
@@ -472,8 +480,8 @@ void norm_backward(Unfused& u, const std::string& name, int K, int stats_count, 
   float* d_gamma = arena.alloc<float>(C);
   CUDA_CHECK(cudaMemset(d_gamma, 0, C * sizeof(float)));
   const auto program = prog::llama::norm_backward_program(stats, dots, dot_count, h, C, gamma, dgamma_partials);
-  report(name, g, [&](int i) { g.coda<GemmLayout::Dgrad>(d_residual, accumulate, program, i); },
-         [&](int i) { g.bare(bare_out, i); },
+  report(name, g, program, [&](int i) { g.coda<GemmLayout::Dgrad>(d_residual, accumulate, program, i); },
+         bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
           {"rmsnorm_backward", [&](int) {
              unfused::rmsnorm_backward(d_residual_unfused, d_gamma, d_norm, h, gamma, rstd, M, C, accumulate,

@@ -68,7 +68,6 @@ inline const char* output_name(Output o) {
 // 1 -> 2); the bf16 ones for the others (each output type is one more kernel to compile).
 constexpr Output kOutputs[] = {Output::Bf16, Output::Bf16Accumulate, Output::Fp32};
 constexpr Output kBf16Outputs[] = {Output::Bf16, Output::Bf16Accumulate};
-constexpr GemmTile kTiles[] = {GemmTile::Cooperative128x256, GemmTile::PingPong128x128};
 
 // Operands of one GEMM of layout kLayout on random data and its fp32 reference accumulators [M, N], on
 // the host. The layout is a template parameter so that each program is compiled for one layout only.

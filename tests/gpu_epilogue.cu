@@ -25,7 +25,7 @@ TEST(GpuEpilogue, RowScaleGammaResidualAuxAndRowSums) {
   Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 1);
   Mirrored<bf16> gamma(N, 0.5f, 1.5f, 2), residual(size_t(M) * N, -2.0f, 2.0f, 3);
   Mirrored<float> bias(N, -1.0f, 1.0f, 4);
-  for (GemmTile tile : kTiles)
+  for (GemmTile tile : kGemmTiles)
     for (Output mode : kBf16Outputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<bf16> aux(size_t(M) * N);
@@ -52,7 +52,7 @@ TEST(GpuEpilogue, RopeAfterRowScaleWithFp32AuxAndSumSquares) {
   const int M = p.M, N = p.N;
   const Rope rope{600, 64, 512, 13.287712f};  // theta = 10000
   Mirrored<float> r(M, 0.5f, 2.0f, 5);
-  for (GemmTile tile : kTiles)
+  for (GemmTile tile : kGemmTiles)
     for (Output mode : kOutputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<float> aux(size_t(M) * N), sumsq(size_t(M) * p.tiles_n(tile));
@@ -74,7 +74,7 @@ TEST(GpuEpilogue, TargetPickLogSumExpRowDotAndColumnSums) {
   const int M = p.M, N = p.N, kCount = 2, groups = prog::column_partial_groups(M);
   Mirrored<float> sumsq_in(size_t(M) * kCount, 200.0f, 600.0f, 6), c(N, -1.0f, 1.0f, 7);
   Mirrored<int32_t> target(M, 0.0f, static_cast<float>(N), 8);
-  for (GemmTile tile : kTiles)
+  for (GemmTile tile : kGemmTiles)
     for (Output mode : kBf16Outputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       const int tiles_n = p.tiles_n(tile);
@@ -116,7 +116,7 @@ TEST(GpuEpilogue, SwiGluHalvesTheWidthWithAuxSumSquaresAndColumnDot) {
   const int M = p.M, N = p.N, groups = prog::column_partial_groups(M);
   Mirrored<float> r(M, 0.5f, 2.0f, 9);
   Mirrored<bf16> t(size_t(M) * N / 2, -1.0f, 1.0f, 10);
-  for (GemmTile tile : kTiles)
+  for (GemmTile tile : kGemmTiles)
     for (Output mode : kOutputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<bf16> gu(size_t(M) * N);

@@ -69,7 +69,7 @@ void check_case(const Case& c, GemmTile tile) {
 
 void check_cases(const std::vector<Case>& cases) {
   for (const Case& c : cases)
-    for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) check_case(c, tile);
+    for (GemmTile tile : kGemmTiles) check_case(c, tile);
 }
 
 // gemm.cuh's three layouts in the CPU reference's terms (tokens T, in IC, out OC):
@@ -108,7 +108,7 @@ void check_against_cpu_reference(GemmLayout layout, int M, int N, int K, bool ac
 
 TEST(GpuGemm, SmallShapesAgainstCpuReference) {
   SKIP_WITHOUT_GPU();
-  for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) {
+  for (GemmTile tile : kGemmTiles) {
     for (GemmLayout layout : {GemmLayout::Forward, GemmLayout::Dgrad, GemmLayout::Wgrad}) {
       check_against_cpu_reference(layout, 136, 264, 200, false, tile);
       check_against_cpu_reference(layout, 392, 520, 712, false, tile);
@@ -168,7 +168,7 @@ TEST(GpuGemm, NormGeluProgramMatchesHostEvaluation) {
   const int M = prob.M, N = prob.N;
   const auto r = random_host(M, 0.5f, 2.0f, 1), bias = random_host(N, -1.0f, 1.0f, 2);
   DeviceBuffer<float> r_d(r), bias_d(bias);
-  for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) {
+  for (GemmTile tile : kGemmTiles) {
     SCOPED_TRACE(gemm_tile_name(tile));
     const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);
     DeviceBuffer<__nv_bfloat16> out(size_t(M) * N), pre(size_t(M) * N);
@@ -201,7 +201,7 @@ TEST(GpuGemm, RopeProgramMatchesHostEvaluation) {
   DeviceBuffer<float> r_d(r);
   using namespace coda::epi;
   const Rope rope{2048, 64, 512, 13.287712f};
-  for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) {
+  for (GemmTile tile : kGemmTiles) {
     SCOPED_TRACE(gemm_tile_name(tile));
     const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);
     DeviceBuffer<__nv_bfloat16> out(size_t(M) * N);
@@ -229,7 +229,7 @@ TEST(GpuGemm, LogitsLseAndSwiGluProgramMatchesHostEvaluation) {
   for (auto& t : target) t = static_cast<int32_t>(rng.below(N));
   DeviceBuffer<int32_t> target_d(M);
   CUDA_CHECK(cudaMemcpy(target_d.get(), target.data(), M * sizeof(int32_t), cudaMemcpyHostToDevice));
-  for (GemmTile tile : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128}) {
+  for (GemmTile tile : kGemmTiles) {
     SCOPED_TRACE(gemm_tile_name(tile));
     using namespace coda::epi;
     const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);

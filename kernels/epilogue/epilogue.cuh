@@ -510,6 +510,7 @@ struct Difference {
 struct Primitive : NoTiles {
   static constexpr int kColsPerOut = 1;
   static constexpr int kOutsPerCol = 1;
+  static constexpr int kAuxStores = 0;  // matrices stored besides the main output (StoreAux)
   static constexpr bool kVisits = true;
   CODA_HD void stage_rows(RowCtx&) const {}
   CODA_HD void begin_rows(const RowCtx&) {}
@@ -613,6 +614,7 @@ struct Pairwise : Primitive {
 // column], row stride ld. The main output is stored by the GEMM after the program.
 template <class T>
 struct StoreAux : Primitive {
+  static constexpr int kAuxStores = 1;
   T* dst;
   int ld;
   CODA_HD StoreAux(T* d, int l) : dst(d), ld(l) {}
@@ -907,6 +909,7 @@ struct Program;
 template <>
 struct Program<> : Primitive {
   static constexpr int kLength = 0;
+  static constexpr int kOutputHalves = 2;
 };
 
 template <class P, class... Rest>
@@ -915,6 +918,10 @@ struct Program<P, Rest...> {
   static constexpr int kColsPerOut = P::kColsPerOut * Program<Rest...>::kColsPerOut;
   static constexpr int kOutsPerCol = P::kOutsPerCol * Program<Rest...>::kOutsPerCol;
   static constexpr int kTileInputs = max_of(P::kTileInputs, Program<Rest...>::kTileInputs);
+  // Values stored per accumulator, in halves: the main output and every StoreAux, each at the width
+  // where it stands (fc: pre and gelu(pre), 4; gate/up: (g, u) and silu(g) u, 3; SwiGLU backward, 4).
+  static constexpr int kOutputHalves =
+      2 * P::kAuxStores + Program<Rest...>::kOutputHalves * P::kOutsPerCol / P::kColsPerOut;
   static_assert(kTileInputs <= kMaxTileInputs, "a program reads at most kMaxTileInputs tile inputs");
   P head;
   Program<Rest...> tail;

@@ -3,7 +3,7 @@
 //
 // Tensor maps (cuTensorMapEncodeTiled, through sm90::tensor_map_encoder(), so no libcuda link is needed):
 // 2-D, innermost dimension first, 128B swizzle, zero fill out of bounds. Boxes: K-major operands
-// {64 k, 128 or BN rows}; MN-major operands {64 m|n, 64 k}; output {128 bytes of columns, 64 rows};
+// {64 k, BM or BN rows}; MN-major operands {64 m|n, 64 k}; output {128 bytes of columns, 64 rows};
 // a program's tile inputs {the output chunk's columns, 64 rows} (bf16: 128 bytes, or 64 with 64B swizzle
 // beside a fp32 output).
 #include <cstdlib>
@@ -70,15 +70,16 @@ int choose_splits(int tiles, int k_blocks, int sms) {
   return best;
 }
 
-// CODA_GEMM_TILE=coop128x256 or pingpong128x128 forces every Auto choice (measurement: the trainer's
+// CODA_GEMM_TILE=coop128x256, pingpong128x128 or pingpong64x256 forces every Auto choice (measurement: the trainer's
 // CODA_PROFILE table then shows each program on that tile); unset or empty: the measured rule below.
 GemmTile forced_tile() {
   static const GemmTile forced = [] {
     const char* v = std::getenv("CODA_GEMM_TILE");
     if (v == nullptr || *v == '\0') return GemmTile::Auto;
-    for (GemmTile t : {GemmTile::Cooperative128x256, GemmTile::PingPong128x128})
+    for (GemmTile t : kGemmTiles)
       if (std::strcmp(v, gemm_tile_name(t)) == 0) return t;
-    throw std::invalid_argument(std::string("CODA_GEMM_TILE=") + v + ": expected coop128x256 or pingpong128x128");
+    throw std::invalid_argument(std::string("CODA_GEMM_TILE=") + v +
+                                ": expected coop128x256, pingpong128x128 or pingpong64x256");
   }();
   return forced;
 }
@@ -92,14 +93,14 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
                                        " K=" + std::to_string(K));
   require(N % (8 * cols_per_out) == 0, "N=" + std::to_string(N) + " must be a multiple of " +
                                            std::to_string(8 * cols_per_out));
-  const int bn = gemm_tile_n(tile);
+  const int bm = gemm_tile_m(tile), bn = gemm_tile_n(tile);
   const auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   Launch l{};
   if (layout == GemmLayout::Wgrad) {
     l.a = make_map(A, bf16, 2, M, K, M, 64, 64, "wgrad dY");
     l.b = make_map(B, bf16, 2, N, K, N, 64, 64, "wgrad X");
   } else {
-    l.a = make_map(A, bf16, 2, K, M, K, 64, 128, layout == GemmLayout::Forward ? "forward X" : "dgrad dY");
+    l.a = make_map(A, bf16, 2, K, M, K, 64, bm, layout == GemmLayout::Forward ? "forward X" : "dgrad dY");
     if (layout == GemmLayout::Forward)
       l.b = make_map(B, bf16, 2, K, N, K, 64, bn, "forward W");
     else
@@ -121,9 +122,9 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
   Params& p = l.p;
   p.M = M, p.N = N, p.K = K;
   p.k_blocks = (K + 63) / 64;
-  p.tiles_m = (M + 127) / 128;
+  p.tiles_m = (M + bm - 1) / bm;
   p.tiles_n = (N + bn - 1) / bn;
-  p.group_m = 8;
+  p.group_m = 1024 / bm;  // 1024 rows of A per L2 group
   const int tiles = p.tiles_m * p.tiles_n, sms = num_sms();
   // Split-K needs an output that can be summed in pieces (fp32, reduce-add) and a program without
   // reductions or nonlinear maps.
@@ -149,14 +150,19 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 
 // Measured (docs/GEMM.md). Bare GEMMs: ping-pong wins where the epilogue is a noticeable share of a tile
 // (K up to a few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight
-// gradients. Programs (every CODA program of both trainers on both tiles, CODA_GEMM_TILE): the
-// cooperative tile wins by 2-30% everywhere except the narrow forward programs (the residual programs,
-// N = d_model <= 2048, K <= 4096), where ping-pong wins by 1-12%.
-GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K, bool program) {
+// gradients. Programs (every CODA program of both trainers on each tile, CODA_GEMM_TILE): the
+// cooperative tile wins by 2-30% except on the narrow forward programs (the residual programs,
+// N = d_model <= 2048, K <= 4096), where the 128 x 128 ping-pong wins by 1-12%, and on the programs that
+// store two values per accumulator over a short K (gpt2 fc, llama down dgrad), where the 64 x 256
+// ping-pong wins by 3-12%. The 64 x 256 tile has the cooperative tile's N width, so the row partial
+// count of a program (gemm_row_partials) does not depend on what it stores.
+GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K, GemmEpilogue epilogue) {
   if (gemm_detail::forced_tile() != GemmTile::Auto) return gemm_detail::forced_tile();
-  if (program)
-    return layout == GemmLayout::Forward && N <= 2048 && K <= 4096 ? GemmTile::PingPong128x128
-                                                                   : GemmTile::Cooperative128x256;
+  if (epilogue != GemmEpilogue::Bare) {
+    if (layout == GemmLayout::Forward && N <= 2048 && K <= 4096) return GemmTile::PingPong128x128;
+    return epilogue == GemmEpilogue::StoringProgram && K <= 2048 ? GemmTile::PingPong64x256
+                                                                 : GemmTile::Cooperative128x256;
+  }
   if (layout == GemmLayout::Wgrad || K >= 8192 || (N <= 1024 && K >= 2048)) return GemmTile::Cooperative128x256;
   return GemmTile::PingPong128x128;
 }
@@ -165,13 +171,20 @@ int gemm_tile_n(GemmTile tile) {
   switch (tile) {
     case GemmTile::Cooperative128x256: return 256;
     case GemmTile::PingPong128x128: return 128;
+    case GemmTile::PingPong64x256: return 256;
     case GemmTile::Auto: break;
   }
   throw std::invalid_argument("gemm_tile_n: GemmTile::Auto has no width; choose a tile first");
 }
 
+int gemm_tile_m(GemmTile tile) {
+  if (tile == GemmTile::Auto)
+    throw std::invalid_argument("gemm_tile_m: GemmTile::Auto has no height; choose a tile first");
+  return tile == GemmTile::PingPong64x256 ? 64 : 128;
+}
+
 int gemm_row_partials(GemmLayout layout, int M, int N, int K) {
-  const int bn = gemm_tile_n(gemm_choose_tile(layout, M, N, K, true));
+  const int bn = gemm_tile_n(gemm_choose_tile(layout, M, N, K, GemmEpilogue::Program));
   return (N + bn - 1) / bn;
 }
 
@@ -179,6 +192,7 @@ const char* gemm_tile_name(GemmTile tile) {
   switch (tile) {
     case GemmTile::Cooperative128x256: return "coop128x256";
     case GemmTile::PingPong128x128: return "pingpong128x128";
+    case GemmTile::PingPong64x256: return "pingpong64x256";
     case GemmTile::Auto: return "auto";
   }
   return "?";

@@ -20,12 +20,21 @@ enum class GemmLayout { Forward, Dgrad, Wgrad };
 // Cooperative128x256: both consumer warpgroups on one 128 x 256 tile (4-stage ring; 3 with tile inputs),
 // for long K and for nearly every program. PingPong128x128: each consumer warpgroup its own 128 x 128
 // tile (6-stage ring; 5 or 4 with tile inputs), so epilogues hide under the other warpgroup's MMAs; for
-// short-K bare GEMMs and the narrow forward programs (gemm_choose_tile).
-enum class GemmTile { Auto, Cooperative128x256, PingPong128x128 };
+// short-K bare GEMMs and the narrow forward programs (gemm_choose_tile). PingPong64x256: ping-pong on
+// 64 x 256 tiles (4-stage ring; 3 with two tile inputs): each consumer's epilogue is exactly a cooperative
+// consumer's (64 rows x 256 columns, per-row work over 256 columns), overlapped with the other's MMAs.
+enum class GemmTile { Auto, Cooperative128x256, PingPong128x128, PingPong64x256 };
+inline constexpr GemmTile kGemmTiles[] = {GemmTile::Cooperative128x256, GemmTile::PingPong128x128,
+                                          GemmTile::PingPong64x256};
 
-// The tile Auto picks for a bare GEMM (program = false) or one with an epilogue program.
-GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, bool program);
+// What the epilogue does, for the tile choice: a bare GEMM's store, a program, or a program that stores
+// two or more values per accumulator (an auxiliary matrix beside its output, or a 1 -> 2 map).
+enum class GemmEpilogue { Bare, Program, StoringProgram };
+
+// The tile Auto picks for a GEMM of this shape and epilogue.
+GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, GemmEpilogue epilogue);
 int gemm_tile_n(GemmTile tile);  // N tile width: row partials of a program come per tile_n columns
+int gemm_tile_m(GemmTile tile);  // M tile height
 // N tiles of the tile Auto picks for a program of this shape: the count of its row partials ([M, count]).
 int gemm_row_partials(GemmLayout layout, int M, int N, int K);
 const char* gemm_tile_name(GemmTile tile);

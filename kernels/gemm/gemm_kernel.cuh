@@ -3,13 +3,15 @@
 //
 // Structure (one CTA per SM, persistent, 384 threads = 3 warpgroups):
 //  * warpgroup 0 is the PRODUCER: it gives registers back (setmaxnreg 40) and one thread streams
-//    128 x 64 tiles of A and BN x 64 tiles of B with TMA into a ring of shared-memory stages. Stage s
+//    BM x 64 tiles of A and BN x 64 tiles of B with TMA into a ring of shared-memory stages. Stage s
 //    has two mbarriers: full[s] (TMA bytes landed) and empty[s] (the consumers' MMAs finished with it).
 //  * warpgroups 1 and 2 are CONSUMERS (setmaxnreg 232): wgmma straight from the swizzled stages, one
 //    wgmma group kept in flight, a stage released as soon as the MMAs that read it are complete.
 //      cooperative: both consumers work on every tile, each on 64 of its 128 rows (m64nBNk16);
-//      ping-pong:   consumer w takes every other tile, all 128 rows (two m64 sub-blocks), so one
-//                   consumer's epilogue runs while the other one keeps the tensor cores busy. The
+//      ping-pong:   consumer w takes every other tile, all its rows (128 x 128: two m64 sub-blocks;
+//                   64 x 256: one, the same accumulators and epilogue as a cooperative consumer's
+//                   half tile), so one consumer's epilogue runs while the other one keeps the tensor
+//                   cores busy. The
 //                   two mainloops take turns through a pair of "turn" mbarriers: a consumer starts
 //                   waiting on its stages only after the other has waited on all of its own. This is
 //                   required, not just tidy: a parity wait can only tell the current phase from the
@@ -63,10 +65,10 @@ struct Params {
   int accumulate;      // 1: D += result (TMA reduce-add); 0: D = result
 };
 
-template <int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_>
+template <int kBM_, int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_>
 struct Config {
   using OutT = OutT_;
-  static constexpr int kBM = 128, kBN = kBN_, kBK = 64;  // kBK * 2 B = one 128-byte swizzle row
+  static constexpr int kBM = kBM_, kBN = kBN_, kBK = 64;  // kBK * 2 B = one 128-byte swizzle row
   static constexpr bool kPingPong = kPingPong_, kAKMajor = kAKMajor_, kBKMajor = kBKMajor_;
   static constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
   static constexpr int kBlockBytes = 64 * 128;               // one 64-row x 128-byte box
@@ -82,11 +84,12 @@ struct Config {
   static constexpr int kInputBytes = 2 * kInputBuffers * kTileInputs * kBlockBytes;
   static constexpr int kStages = stages_with(kInputBuffers);
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + kBarrierBytes;
-  static constexpr int kSubs = kPingPong ? 2 : 1;            // m64 sub-blocks per consumer and tile
+  static constexpr int kSubs = kPingPong ? kBM / 64 : 1;     // m64 sub-blocks per consumer and tile
   static constexpr int kAcc = kBN / 2;                       // fp32 accumulators per thread and sub-block
   static constexpr int kEmptyArrivals = kPingPong ? 4 : 8;   // lane 0 of each consuming warp
   static constexpr int kTurnArrivals = 4;                    // lane 0 of each warp of the other consumer
   static_assert(kBN == 128 || kBN == 256, "wgmma wrappers exist for n = 128 and 256");
+  static_assert(kPingPong ? (kBM == 64 || kBM == 128) : kBM == 128, "cooperative: 64 rows per consumer");
   static_assert(kStages >= 3, "shared memory ring too shallow");
   static_assert((2 * kStages + 2 + 2 * kInputBuffers) * 8 <= kBarrierBytes, "barrier area too small");
   static_assert(kBlockBytes == epi::kTileChunkBytes, "tile input chunks are staging-sized");

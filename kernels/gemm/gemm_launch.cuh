@@ -55,6 +55,12 @@ constexpr bool is_identity = std::is_same_v<Program, epi::Program<>>;
 
 }  // namespace gemm_detail
 
+template <class Program>
+constexpr GemmEpilogue gemm_epilogue_of() {
+  if constexpr (gemm_detail::is_identity<Program>) return GemmEpilogue::Bare;
+  return Program::kOutputHalves >= 4 ? GemmEpilogue::StoringProgram : GemmEpilogue::Program;
+}
+
 template <GemmLayout kLayout, class OutT, class Program>
 void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat16* B, int M, int N, int K,
               bool accumulate, const Program& program, cudaStream_t stream) {
@@ -62,7 +68,7 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   static_assert(std::is_same_v<OutT, float> || std::is_same_v<OutT, __nv_bfloat16>, "bf16 or fp32 output");
   constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
   constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
-  if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K, !is_identity<Program>);
+  if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K, gemm_epilogue_of<Program>());
   const profile::Region region(profile::enabled() ? gemm_profile_label(kLayout, tile, M, N, K) + " " +
                                                         profile::type_name(typeid(Program).name())
                                                   : std::string(),
@@ -73,9 +79,11 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
                            A, B, M, N, K, accumulate, is_identity<Program>, sources, Program::kTileInputs, stream);
   constexpr int kInputs = Program::kTileInputs;
   if (tile == GemmTile::Cooperative128x256)
-    launch<Config<256, false, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
+    launch<Config<128, 256, false, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
+  else if (tile == GemmTile::PingPong64x256)
+    launch<Config<64, 256, true, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
   else
-    launch<Config<128, true, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
+    launch<Config<128, 128, true, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
 }
 
 }  // namespace coda
