@@ -11,12 +11,12 @@
 //      ping-pong:   consumer w takes every other tile, all its rows (128 x 128: two m64 sub-blocks;
 //                   64 x 256: one, the same accumulators and epilogue as a cooperative consumer's
 //                   half tile), so one consumer's epilogue runs while the other one keeps the tensor
-//                   cores busy. The
-//                   two mainloops take turns through a pair of "turn" mbarriers: a consumer starts
-//                   waiting on its stages only after the other has waited on all of its own. This is
-//                   required, not just tidy: a parity wait can only tell the current phase from the
-//                   one before, so a consumer that skipped ahead by a whole tile would see a stage
-//                   "full" one phase early (measured: hangs and faults without the turn barriers).
+//                   cores busy. The two mainloops take turns through a pair of "turn" mbarriers: a
+//                   consumer starts waiting on its stages only after the other has waited on all of
+//                   its own. This is required, not just tidy: a parity wait can only tell the current
+//                   phase from the one before, so a consumer that skipped ahead by a whole tile would
+//                   see a stage "full" one phase early (measured: hangs and faults without the turn
+//                   barriers).
 //  * epilogue: the program visits the accumulator fragments chunk by chunk (64 rows x 128 bytes of
 //    output), each chunk is written to a 128B-swizzled staging buffer (two per consumer, so the TMA
 //    store of one overlaps the filling of the other), fenced for the async proxy, and stored by TMA
