@@ -7,7 +7,8 @@
 // L2 (>= 150 MB of operands in the rotation); 5 warm-up rounds; CUDA events around each of 25 runs; the
 // median; the contenders of a shape interleaved run by run. Each shape also compares our output with
 // cuBLAS's (relative error), so a fast wrong kernel cannot pass unnoticed.
-// Usage: bench_gemm [--quick] [--epilogues]   (--quick: 10 timed runs; --epilogues: only the programs)
+// Usage: bench_gemm [--quick] [--epilogues] [--overlap]   (--quick: 10 timed runs; --epilogues: only the
+// programs; --overlap: only the rows that ask whether an epilogue hides under the ping-pong MMAs)
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -175,7 +176,7 @@ void bench_mainloop(CublasLt& cublas) {
 // tile of twice the output width (SwiGLU backward's saved gate/up pairs).
 struct EpilogueInputs {
   const float* rstd;
-  float* partials;
+  float* partials;  // room for one (max, sum) pair per (row, 128-column tile)
   const __nv_bfloat16* gu;
 };
 
@@ -191,7 +192,7 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
   __nv_bfloat16* gu = nullptr;
   float* rstd = nullptr;
   CUDA_CHECK(cudaMalloc(&rstd, s.M * sizeof(float)));
-  CUDA_CHECK(cudaMalloc(&in.partials, size_t(s.M) * (s.N / 128 + 1) * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&in.partials, size_t(s.M) * (s.N / 128 + 1) * sizeof(epi::LogSumExp::Out)));
   CUDA_CHECK(cudaMalloc(&gu, size_t(s.M) * 2 * s.N * sizeof(__nv_bfloat16)));
   CUDA_CHECK(cudaMalloc(&out, size_t(s.M) * out_cols * sizeof(__nv_bfloat16)));
   testing::fill_uniform(rstd, s.M, 77, 0.5f, 2.0f);
@@ -256,17 +257,56 @@ void bench_epilogues() {
   });
 }
 
+// Arithmetic alone: kSteps dependent multiply-adds per value (the compiler may not fold a float FMA chain),
+// no memory access. What the overlap rows below compare it with.
+template <int kSteps>
+struct AluWork {
+  CODA_HD float operator()(float x) const {
+    for (int i = 0; i < kSteps; ++i) x = fmaf(x, 0.999f, 0.0001f);
+    return x;
+  }
+};
+
+// Does an epilogue hide under the other consumer's MMAs on the ping-pong tiles? The same kinds of work
+// alone (arithmetic only; column-vector loads from L1; a tile input from shared memory; the online
+// log-sum-exp; the LayerNorm reparameterization) at gpt2's fc shape (K = 768: 12 k-blocks, the
+// shortest mainloop of the programs), on every tile against its bare GEMM.
+void bench_overlap() {
+  using namespace coda::epi;
+  const Shape fc{"gpt2", "mlp_up", GemmLayout::Forward, 32768, 3072, 768};
+  bench_epilogue<GemmLayout::Forward>("overlap: 16 FMAs per value", fc,
+                                      [](EpilogueInputs) { return make_program(Elementwise<AluWork<16>>()); });
+  bench_epilogue<GemmLayout::Forward>("overlap: 48 FMAs per value", fc,
+                                      [](EpilogueInputs) { return make_program(Elementwise<AluWork<48>>()); });
+  bench_epilogue<GemmLayout::Forward>("overlap: two fp32 column vectors", fc, [](EpilogueInputs in) {
+    return make_program(ColBroadcast<Add>(in.rstd), ColBroadcast<Mul>(in.rstd + 8));
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: one tile input", fc, [](EpilogueInputs in) {
+    return make_program(TileLoad<Add>(in.gu, 3072));
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: log-sum-exp partials", fc, [](EpilogueInputs in) {
+    return make_program(RowReduce<LogSumExp>(reinterpret_cast<LogSumExp::Out*>(in.partials)));
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: LayerNorm reparameterization", fc, [](EpilogueInputs in) {
+    return make_program(RowBroadcast<Mul>(in.rstd), SubScaled<ColVector>(in.rstd, ColVector{in.rstd + 8}),
+                        ColBroadcast<Add>(in.rstd + 16));
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool mainloop = true;
+  bool mainloop = true, overlap = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0)
       g_timed_runs = 10;
     else if (std::strcmp(argv[i], "--epilogues") == 0)
       mainloop = false;
+    else if (std::strcmp(argv[i], "--overlap") == 0)
+      overlap = true;
     else {
-      std::fprintf(stderr, "bench_gemm: unknown argument %s (usage: bench_gemm [--quick] [--epilogues])\n", argv[i]);
+      std::fprintf(stderr, "bench_gemm: unknown argument %s (usage: bench_gemm [--quick] [--epilogues] [--overlap])\n",
+                   argv[i]);
       return 2;
     }
   }
@@ -276,6 +316,10 @@ int main(int argc, char** argv) {
     std::printf("device: %s, %d SMs; median of %d timed runs (TFLOP/s)\n\n", prop.name, prop.multiProcessorCount,
                 g_timed_runs);
     CublasLt cublas;
+    if (overlap) {
+      bench_overlap();
+      return 0;
+    }
     if (mainloop) bench_mainloop(cublas);
     bench_epilogues();
   } catch (const std::exception& e) {

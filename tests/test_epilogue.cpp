@@ -2,6 +2,7 @@
 // plain math they stand for: each test writes the formula out independently, loop by loop.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -107,6 +108,37 @@ TEST(Epilogue, OnlineLogSumExpPartialsMergeToTheFullRow) {
     const double lse = mx + std::log(s);
     EXPECT_NEAR(merge_lse(&partials[i * tiles], tiles), lse, 1e-4 * std::abs(lse)) << "row " << i;
   }
+}
+
+// The GPU's batched log-sum-exp (RowReduce hands it four groups of a row at once) against the per-value
+// online form and the exact fp64 value: batches with masked (-inf) values, a batch with every value masked
+// first (the state must stay empty), a new maximum in a later batch, and logits far outside exp's range.
+TEST(Epilogue, LogSumExpBatchesEqualTheOnlineForm) {
+  const auto x = random_vector(8 * 64, -60.0f, 95.0f, 12);
+  float m_batch = -INFINITY, s_batch = 0.0f, m_online = -INFINITY, s_online = 0.0f;
+  std::vector<double> kept;
+  for (int b = 0; b < 64; ++b) {
+    float batch[8];
+    for (int i = 0; i < 8; ++i) {
+      const bool masked = b == 0 || (b * 8 + i) % 5 == 0;
+      batch[i] = masked ? -INFINITY : x[b * 8 + i] + (b > 32 ? 40.0f : 0.0f);
+      if (!masked) kept.push_back(batch[i]);
+    }
+    LogSumExp::add_batch(m_batch, s_batch, batch);
+    LogSumExp::add(m_online, s_online, batch, 4);  // a fragment's values at most: two calls
+    LogSumExp::add(m_online, s_online, batch + 4, 4);
+    if (b == 0) {
+      EXPECT_EQ(m_batch, -INFINITY);
+      EXPECT_EQ(s_batch, 0.0f);
+    }
+  }
+  const double mx = *std::max_element(kept.begin(), kept.end());
+  double s = 0.0;
+  for (double v : kept) s += std::exp(v - mx);
+  const double lse = mx + std::log(s);
+  EXPECT_EQ(m_batch, m_online);
+  EXPECT_NEAR(s_batch, s_online, 1e-5 * s_online);
+  EXPECT_NEAR(m_batch + std::log(double(s_batch)), lse, 1e-5 * std::abs(lse));
 }
 
 TEST(Epilogue, RowPickFindsTheTargetColumn) {

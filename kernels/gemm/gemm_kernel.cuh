@@ -347,50 +347,61 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       const int m_block = ctx.rows[0] - r0;
       if (m_block >= p.M) return;
       const int chunks = kRolled ? block_chunks : kChunks;
+      // The chunk loop, instantiated for interior blocks (rows and columns inside M x N: Frag::interior
+      // is the constant true and the programs' masks fold away) and for the edge blocks.
+      auto visit_chunks = [&](auto interior) {
 #pragma unroll(kRolled ? 1 : kChunks)
-      for (int c = 0; c < chunks; ++c) {
-        const int out_col0 = out_col_first + c * kOutCols;
-        if (out_col0 >= out_cols) break;
-        uint8_t* buf = my_staging + (chunk_count++ & 1) * Cfg::kBlockBytes;
-        epi::RowCtx chunk_ctx = ctx;
-        if constexpr (kInputs > 0) {
-          const uint32_t b = inputs_used % kBuffers;
-          sm90::mbar_wait(&my_input_full[b], (inputs_used++ / kBuffers) & 1);
-          chunk_ctx.tiles = my_inputs + b * kInputs * Cfg::kBlockBytes;
-          chunk_ctx.tile_row0 = m_block;
-          chunk_ctx.tile_col0 = out_col0;
-          chunk_ctx.tile_row_bytes = kOutCols * 2;
-        }
-        if (t == 0) sm90::bulk_wait_read<1>();  // the store that last read `buf` is done with it
-        sm90::named_barrier(1 + cw, 128);
-#pragma unroll
-        for (int g = 0; g < kChunkGroups; ++g) {
-          const int col = n0 + (c * kChunkGroups + g) * 8 + 2 * (lane & 3);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = (kRolled ? 0 : c * kChunkAcc) + 4 * g + 2 * h;  // a constant either way
-            epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[i], a[i + 1]}, 1, g};
-            prog.visit(f, chunk_ctx);
-            stage_values<OutT, kWidth>(buf, r0 + 8 * h, (col - n0) * kExpand / kRatio - c * kOutCols, f.v);
+        for (int c = 0; c < chunks; ++c) {
+          const int out_col0 = out_col_first + c * kOutCols;
+          if (out_col0 >= out_cols) break;
+          uint8_t* buf = my_staging + (chunk_count++ & 1) * Cfg::kBlockBytes;
+          epi::RowCtx chunk_ctx = ctx;
+          if constexpr (kInputs > 0) {
+            const uint32_t b = inputs_used % kBuffers;
+            sm90::mbar_wait(&my_input_full[b], (inputs_used++ / kBuffers) & 1);
+            chunk_ctx.tiles = my_inputs + b * kInputs * Cfg::kBlockBytes;
+            chunk_ctx.tile_row0 = m_block;
+            chunk_ctx.tile_col0 = out_col0;
+            chunk_ctx.tile_row_bytes = kOutCols * 2;
           }
-        }
-        if constexpr (kRolled) {
+          if (t == 0) sm90::bulk_wait_read<1>();  // the store that last read `buf` is done with it
+          sm90::named_barrier(1 + cw, 128);
 #pragma unroll
-          for (int i = 0; i + kChunkAcc < Cfg::kAcc; ++i) a[i] = a[i + kChunkAcc];
+          for (int g = 0; g < kChunkGroups; ++g) {
+            const int col = n0 + (c * kChunkGroups + g) * 8 + 2 * (lane & 3);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = (kRolled ? 0 : c * kChunkAcc) + 4 * g + 2 * h;  // a constant either way
+              epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[i], a[i + 1]}, 1, g, decltype(interior)::value};
+              prog.visit(f, chunk_ctx);
+              // The fragment's output column inside the chunk, written from the constant g and the lane
+              // (not as col - n0: the compiler kept that a run-time subtraction and recomputed the swizzle
+              // from it, five integer instructions per fragment).
+              stage_values<OutT, kWidth>(buf, r0 + 8 * h, (g * 8 + 2 * (lane & 3)) * kExpand / kRatio, f.v);
+            }
+          }
+          if constexpr (kRolled) {
+#pragma unroll
+            for (int i = 0; i + kChunkAcc < Cfg::kAcc; ++i) a[i] = a[i + kChunkAcc];
+          }
+          sm90::fence_proxy_async_smem();
+          sm90::named_barrier(1 + cw, 128);
+          if (t == 0) {
+            if (p.accumulate)
+              sm90::tma_reduce_add_2d(map_d, buf, out_col0, m_block);
+            else
+              sm90::tma_store_2d(map_d, buf, out_col0, m_block);
+            sm90::bulk_commit();
+            // Every thread has visited this chunk: its input buffer takes the chunk kBuffers ahead.
+            if (kInputs > 0 && tile_chunk + kBuffers < tile_chunks) issue_inputs(tile_chunk + kBuffers);
+          }
+          ++tile_chunk;
         }
-        sm90::fence_proxy_async_smem();
-        sm90::named_barrier(1 + cw, 128);
-        if (t == 0) {
-          if (p.accumulate)
-            sm90::tma_reduce_add_2d(map_d, buf, out_col0, m_block);
-          else
-            sm90::tma_store_2d(map_d, buf, out_col0, m_block);
-          sm90::bulk_commit();
-          // Every thread has visited this chunk: its input buffer takes the chunk kBuffers ahead.
-          if (kInputs > 0 && tile_chunk + kBuffers < tile_chunks) issue_inputs(tile_chunk + kBuffers);
-        }
-        ++tile_chunk;
-      }
+      };
+      if (m_block + 64 <= p.M && n0 + Cfg::kBN <= p.N)
+        visit_chunks(std::true_type{});
+      else
+        visit_chunks(std::false_type{});
       prog.end_rows(ctx, epi::QuadLanes{lane});
     };
     store_block(prog0, ctx0, acc[0]);
