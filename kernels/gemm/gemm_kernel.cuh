@@ -80,7 +80,19 @@ struct Config {
     return (kSmemLimit - 1024 - kStagingBytes - kBarrierBytes - 2 * input_buffers * kTileInputs * kBlockBytes) /
            kStageBytes;
   }
-  static constexpr int kInputBuffers = stages_with(2) >= 3 ? 2 : 1;  // chunk buffers per consumer
+  // A program's single bf16 tile input beside a bf16 output comes into the output's own staging buffers
+  // (the input chunk and the output chunk cover the same 64 rows x 128 bytes, and every thread reads the
+  // input exactly where it then writes its output) where buffers of its own would cost a ring stage: the
+  // cooperative tile keeps its fourth stage (with two input buffers per consumer it had three; a program
+  // that only adds a tile input cost +30-35% over the bare GEMM there, bench_gemm --overlap), ping-pong
+  // 128x128 its sixth. Where no stage is lost (ping-pong 64x256) the separate buffers stay: in staging a
+  // chunk's input can only be loaded once the previous chunk's store has read the buffer, and the llama
+  // down dgrad (short chunks of a 1 -> 2 map) lost 10% waiting for it. Otherwise the inputs have chunk
+  // buffers of their own: two per consumer, one where two would leave fewer than three stages.
+  static constexpr bool kInputInStaging =
+      kTileInputs == 1 && std::is_same_v<OutT, __nv_bfloat16> && stages_with(0) > stages_with(2);
+  static constexpr int kInputBuffers = kInputInStaging ? 0 : stages_with(2) >= 3 ? 2 : 1;  // per consumer
+  static constexpr int kInputBarriers = kInputInStaging ? 2 : kInputBuffers;                // per consumer
   static constexpr int kInputBytes = 2 * kInputBuffers * kTileInputs * kBlockBytes;
   static constexpr int kStages = stages_with(kInputBuffers);
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + kBarrierBytes;
@@ -91,7 +103,7 @@ struct Config {
   static_assert(kBN == 128 || kBN == 256, "wgmma wrappers exist for n = 128 and 256");
   static_assert(kPingPong ? (kBM == 64 || kBM == 128) : kBM == 128, "cooperative: 64 rows per consumer");
   static_assert(kStages >= 3, "shared memory ring too shallow");
-  static_assert((2 * kStages + 2 + 2 * kInputBuffers) * 8 <= kBarrierBytes, "barrier area too small");
+  static_assert((2 * kStages + 2 + 2 * kInputBarriers) * 8 <= kBarrierBytes, "barrier area too small");
   static_assert(kBlockBytes == epi::kTileChunkBytes, "tile input chunks are staging-sized");
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "stages must keep 1024-byte alignment");
 };
@@ -227,11 +239,14 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
   const int out_cols = p.N * kExpand / kRatio;
   uint8_t* my_staging = staging + cw * 2 * Cfg::kBlockBytes;
   const uint32_t ring_base = sm90::smem_u32(ring);
-  // Tile inputs: buffer b of this consumer holds chunk input k at my_inputs + (b * kInputs + k) * kBlockBytes.
-  constexpr int kInputs = Cfg::kTileInputs, kBuffers = Cfg::kInputBuffers;
+  // Tile inputs: buffer b of this consumer holds chunk input k at my_inputs + (b * kInputs + k) * kBlockBytes;
+  // in staging (Config::kInputInStaging) buffer b is staging buffer b, the one chunk b's output goes to.
+  constexpr int kInputs = Cfg::kTileInputs;
+  constexpr bool kInStaging = Cfg::kInputInStaging;
+  constexpr int kBuffers = kInStaging ? 2 : Cfg::kInputBuffers;
   constexpr uint32_t kInputChunkBytes = 64 * kOutCols * 2;  // 64 rows x the chunk's columns, bf16
-  uint8_t* my_inputs = inputs + cw * kBuffers * kInputs * Cfg::kBlockBytes;
-  uint64_t* my_input_full = input_full + cw * kBuffers;
+  uint8_t* my_inputs = kInStaging ? my_staging : inputs + cw * kBuffers * kInputs * Cfg::kBlockBytes;
+  uint64_t* my_input_full = input_full + cw * Cfg::kInputBarriers;
   uint32_t inputs_issued = 0, inputs_used = 0;  // chunks issued (thread 0) and visited (every thread)
 
   float acc[Cfg::kSubs][Cfg::kAcc];
@@ -269,10 +284,20 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
         sm90::tma_load_2d(dst + i * Cfg::kBlockBytes, &tile_maps.map[i], &my_input_full[b],
                           out_col_first + k % block_chunks * kOutCols, block_row(k / block_chunks));
     };
-    if constexpr (kInputs > 0) {
+    auto issue_first_inputs = [&] {  // thread 0: the tile's first chunks (in staging, the others asked of L2)
+      for (int k = 0; k < tile_chunks; ++k) {
+        if (k < kBuffers)
+          issue_inputs(k);
+        else if (kInStaging)
+#pragma unroll
+          for (int i = 0; i < kInputs; ++i)
+            sm90::tma_prefetch_l2_2d(&tile_maps.map[i], out_col_first + k % block_chunks * kOutCols,
+                                     block_row(k / block_chunks));
+      }
+    };
+    if constexpr (kInputs > 0 && !kInStaging) {
       // The previous tile's chunks were all visited (its last named barrier): every buffer is free.
-      if (t == 0)
-        for (int k = 0; k < kBuffers && k < tile_chunks; ++k) issue_inputs(k);
+      if (t == 0) issue_first_inputs();
     }
     if constexpr (Cfg::kPingPong) {
       // Consumer 0's first turn is free (a wait for parity 1 on a fresh barrier succeeds at once).
@@ -312,6 +337,14 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       }
       sm90::wgmma_commit();
       if (kb == 0) {
+        if constexpr (kInStaging) {
+          // The previous tile's last stores must have read the staging buffers before its inputs land
+          // there; by now (after this tile's first MMAs are issued) they normally have.
+          if (t == 0) {
+            sm90::bulk_wait_read<0>();
+            issue_first_inputs();
+          }
+        }
         prog0.begin_rows(ctx0);
         if constexpr (Cfg::kSubs == 2) prog1.begin_rows(ctx1);
       }
@@ -364,7 +397,9 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
             chunk_ctx.tile_col0 = out_col0;
             chunk_ctx.tile_row_bytes = kOutCols * 2;
           }
-          if (t == 0) sm90::bulk_wait_read<1>();  // the store that last read `buf` is done with it
+          // The store that last read `buf` is done with it (in staging: its read ended before this
+          // chunk's input was loaded into buf).
+          if (!kInStaging && t == 0) sm90::bulk_wait_read<1>();
           sm90::named_barrier(1 + cw, 128);
 #pragma unroll
           for (int g = 0; g < kChunkGroups; ++g) {
@@ -378,6 +413,15 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
               // (not as col - n0: the compiler kept that a run-time subtraction and recomputed the swizzle
               // from it, five integer instructions per fragment).
               stage_values<OutT, kWidth>(buf, r0 + 8 * h, (g * 8 + 2 * (lane & 3)) * kExpand / kRatio, f.v);
+            }
+            // In staging, chunk tile_chunk + 1 goes to the buffer of the previous chunk, whose store was
+            // issued just before this chunk began: halfway through this chunk its read is normally over,
+            // and the load has the second half of the chunk to land (from L2: issue_first_inputs).
+            if constexpr (kInStaging) {
+              if (g == kChunkGroups / 2 && t == 0 && tile_chunk >= 1 && tile_chunk + 1 < tile_chunks) {
+                sm90::bulk_wait_read<0>();
+                issue_inputs(tile_chunk + 1);
+              }
             }
           }
           if constexpr (kRolled) {
@@ -393,7 +437,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
               sm90::tma_store_2d(map_d, buf, out_col0, m_block);
             sm90::bulk_commit();
             // Every thread has visited this chunk: its input buffer takes the chunk kBuffers ahead.
-            if (kInputs > 0 && tile_chunk + kBuffers < tile_chunks) issue_inputs(tile_chunk + kBuffers);
+            if (kInputs > 0 && !kInStaging && tile_chunk + kBuffers < tile_chunks) issue_inputs(tile_chunk + kBuffers);
           }
           ++tile_chunk;
         }
@@ -437,7 +481,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     sm90::mbar_init(&turn[0], Cfg::kTurnArrivals);
     sm90::mbar_init(&turn[1], Cfg::kTurnArrivals);
-    for (int i = 0; i < 2 * Cfg::kInputBuffers; ++i) sm90::mbar_init(&input_full[i], 1);
+    for (int i = 0; i < 2 * Cfg::kInputBarriers; ++i) sm90::mbar_init(&input_full[i], 1);
     sm90::fence_barrier_init();
   }
   __syncthreads();
