@@ -29,7 +29,10 @@
 //    issues the tile's first chunks before its mainloop (they land under the MMAs) and each further one
 //    as soon as the chunk that last used its buffer is visited; each buffer has its own mbarrier. An
 //    input may be the output itself (d_residual, added to and stored in place): a chunk's input has
-//    landed before its store is issued, and no other chunk covers it.
+//    landed before its store is issued, and no other chunk covers it. A single bf16 input beside a bf16
+//    output whose buffers would cost a stage comes into the output's staging buffers instead
+//    (Config::kInputInStaging): the tile's first two chunks after its first k-block's MMAs, each further
+//    one halfway through the chunk before it, once the store that last read its buffer is done.
 //  * schedule: work units are (tile, k range); CTA c takes units c, c + grid, ... Tiles come in grouped
 //    order (group_m tile rows sweep across N, so the CTAs in flight share A and B tiles in L2). Split-K
 //    (weight gradients: fp32 output, identity program, few output tiles over a long K): the units are
@@ -407,7 +410,8 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int i = (kRolled ? 0 : c * kChunkAcc) + 4 * g + 2 * h;  // a constant either way
-              epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[i], a[i + 1]}, 1, g, decltype(interior)::value};
+              epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[i], a[i + 1]},
+                          1, g, decltype(interior)::value};
               prog.visit(f, chunk_ctx);
               // The fragment's output column inside the chunk, written from the constant g and the lane
               // (not as col - n0: the compiler kept that a run-time subtraction and recomputed the swizzle
@@ -437,7 +441,8 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
               sm90::tma_store_2d(map_d, buf, out_col0, m_block);
             sm90::bulk_commit();
             // Every thread has visited this chunk: its input buffer takes the chunk kBuffers ahead.
-            if (kInputs > 0 && !kInStaging && tile_chunk + kBuffers < tile_chunks) issue_inputs(tile_chunk + kBuffers);
+            if (kInputs > 0 && !kInStaging && tile_chunk + kBuffers < tile_chunks)
+              issue_inputs(tile_chunk + kBuffers);
           }
           ++tile_chunk;
         }
