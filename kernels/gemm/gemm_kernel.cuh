@@ -278,25 +278,22 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     const int block_chunks = min(kChunks, (out_cols - out_col_first + kOutCols - 1) / kOutCols);
     auto block_row = [&](int s) { return u.m_tile * Cfg::kBM + (Cfg::kPingPong ? s : cw) * 64; };
     const int tile_chunks = block_chunks * (block_row(0) >= p.M ? 0 : (Cfg::kSubs == 2 && block_row(1) < p.M) ? 2 : 1);
+    auto chunk_col = [&](int k) { return out_col_first + k % block_chunks * kOutCols; };  // chunk k's box
+    auto chunk_row = [&](int k) { return block_row(k / block_chunks); };
     auto issue_inputs = [&](int k) {  // chunk k of this tile, into the next buffer
       const uint32_t b = inputs_issued++ % kBuffers;
       uint8_t* dst = my_inputs + b * kInputs * Cfg::kBlockBytes;
       sm90::mbar_arrive_expect_tx(&my_input_full[b], kInputs * kInputChunkBytes);
 #pragma unroll
       for (int i = 0; i < kInputs; ++i)
-        sm90::tma_load_2d(dst + i * Cfg::kBlockBytes, &tile_maps.map[i], &my_input_full[b],
-                          out_col_first + k % block_chunks * kOutCols, block_row(k / block_chunks));
+        sm90::tma_load_2d(dst + i * Cfg::kBlockBytes, &tile_maps.map[i], &my_input_full[b], chunk_col(k),
+                          chunk_row(k));
     };
     auto issue_first_inputs = [&] {  // thread 0: the tile's first chunks (in staging, the others asked of L2)
-      for (int k = 0; k < tile_chunks; ++k) {
-        if (k < kBuffers)
-          issue_inputs(k);
-        else if (kInStaging)
-#pragma unroll
-          for (int i = 0; i < kInputs; ++i)
-            sm90::tma_prefetch_l2_2d(&tile_maps.map[i], out_col_first + k % block_chunks * kOutCols,
-                                     block_row(k / block_chunks));
-      }
+      for (int k = 0; k < kBuffers && k < tile_chunks; ++k) issue_inputs(k);
+      if constexpr (kInStaging)
+        for (int k = kBuffers; k < tile_chunks; ++k)
+          sm90::tma_prefetch_l2_2d(&tile_maps.map[0], chunk_col(k), chunk_row(k));  // the single input
     };
     if constexpr (kInputs > 0 && !kInStaging) {
       // The previous tile's chunks were all visited (its last named barrier): every buffer is free.
