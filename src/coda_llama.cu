@@ -66,9 +66,9 @@ class CodaLlamaBackend : public CodaBackend {
 CodaLlamaBackend::CodaLlamaBackend(const ModelConfig& config, int max_batch, int max_seq_len)
     : CodaBackend(config, max_batch, max_seq_len) {
   const int hd = config.head_dim();
-  if ((hd & (hd - 1)) != 0)
-    throw std::invalid_argument("kernels coda: the RoPE epilogue needs a power-of-two head_dim, got " +
-                                std::to_string(hd) + " (d_model / n_head)");
+  if (hd != 64 && hd != 128)
+    throw std::invalid_argument("kernels coda: the RoPE epilogue is built for head_dim 64 and 128 (the attention "
+                                "kernels' head sizes), got " + std::to_string(hd) + " (d_model / n_head)");
 }
 
 void CodaLlamaBackend::plan_buffers(ArenaPlan& plan) {
@@ -89,10 +89,16 @@ void CodaLlamaBackend::block_forward(int layer, int B, int T) {
   NormStatsBuffers& next = next_norm_stats(layer);
   const GemmTile tile = GemmTile::Auto;
 
-  const epi::Rope rope{T, config_.head_dim(), (config_.n_head + config_.n_kv_head) * config_.head_dim(),
-                       std::log2(config_.rope_theta)};
-  gemm_run<GemmLayout::Forward>(tile, a.qkv, a.norm1, weight(p.qkv_w), N, Q, C, false,
-                                qkv_program(norm_partials(norm1_stats_[layer]), rope), stream_);
+  auto qkv = [&](auto rope) {
+    gemm_run<GemmLayout::Forward>(tile, a.qkv, a.norm1, weight(p.qkv_w), N, Q, C, false,
+                                  qkv_program(norm_partials(norm1_stats_[layer]), rope), stream_);
+  };
+  const int rot_cols = (config_.n_head + config_.n_kv_head) * config_.head_dim();
+  const float log2_theta = std::log2(config_.rope_theta);
+  if (config_.head_dim() == 64)
+    qkv(epi::Rope<64>{T, rot_cols, log2_theta});
+  else
+    qkv(epi::Rope<128>{T, rot_cols, log2_theta});
   attention_forward(a.attn, a.lse, a.qkv, attention_shape(B, T), stream_);
   gemm_run<GemmLayout::Forward>(tile, a.norm2, a.attn, weight(p.attn_proj_w), N, C, C, false,
                                 residual_program(a.input, a.mid, C, weight(p.norm2_w), stats2.sumsq), stream_);

@@ -232,12 +232,12 @@ void bench_epilogues() {
   const Shape qkv{"llama", "qkv", GemmLayout::Forward, 16384, 3072, 2048};
   const Shape fc{"gpt2", "mlp_up", GemmLayout::Forward, 32768, 3072, 768};
   const Shape down_dgrad{"llama", "down", GemmLayout::Dgrad, 16384, 8192, 2048};
-  const Rope rope{2048, 64, 2560, 13.287712f};
+  const Rope<64> rope{2048, 2560, 13.287712f};
   bench_epilogue<GemmLayout::Forward>("llama gate_up: rstd * acc, SwiGLU, sum sq", gate_up, [](EpilogueInputs in) {
     return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<SwiGlu>(), RowReduce<SumSquares>(in.partials));
   });
   bench_epilogue<GemmLayout::Forward>("llama qkv: rstd * acc, RoPE, sum sq", qkv, [&](EpilogueInputs in) {
-    return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<Rope>(rope), RowReduce<SumSquares>(in.partials));
+    return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<Rope<64>>(rope), RowReduce<SumSquares>(in.partials));
   });
   bench_epilogue<GemmLayout::Forward>("gpt2 mlp_up: rstd * acc, SwiGLU, sum sq", fc, [](EpilogueInputs in) {
     return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<SwiGlu>(), RowReduce<SumSquares>(in.partials));
@@ -250,7 +250,7 @@ void bench_epilogues() {
     return make_program(RowReduce<SumSquares>(in.partials));
   });
   bench_epilogue<GemmLayout::Forward>("  llama qkv: RoPE only", qkv,
-                                      [&](EpilogueInputs) { return make_program(Pairwise<Rope>(rope)); });
+                                      [&](EpilogueInputs) { return make_program(Pairwise<Rope<64>>(rope)); });
   bench_epilogue<GemmLayout::Dgrad>("llama down dgrad: SwiGLU bwd, <dz,z>, rstd", down_dgrad, [](EpilogueInputs in) {
     return make_program(SwiGluBackward<__nv_bfloat16>(in.gu, 2 * 8192, nullptr, 8192),
                         RowDot<Tile>(Tile{in.gu, 2 * 8192}, in.partials), RowBroadcast<Mul>(in.rstd));

@@ -394,7 +394,7 @@ void normed(Unfused& u, Normed kind) {
     CUDA_CHECK(cudaMemcpy(rope_table, table.data(), table.size() * sizeof(float2), cudaMemcpyHostToDevice));
     bf16* out = arena.alloc<bf16>(size_t(M) * N);
     chain.push_back({"rope", [&](int) { unfused::rope(y, rope_table, B, T, n_head, n_kv_head, hd, false, nullptr); }});
-    const auto program = qkv_program(stats, epi::Rope{T, hd, (n_head + n_kv_head) * hd, std::log2(kTheta)});
+    const auto program = qkv_program(stats, epi::Rope<hd>{T, (n_head + n_kv_head) * hd, std::log2(kTheta)});
     report("llama QKV + RoPE", g, program,
            [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   } else if (kind == Normed::GateUp) {

@@ -50,14 +50,14 @@ TEST(GpuEpilogue, RopeAfterRowScaleWithFp32AuxAndSumSquares) {
   SKIP_WITHOUT_GPU();
   const Problem<GemmLayout::Forward> p(936, 776, 328);
   const int M = p.M, N = p.N;
-  const Rope rope{600, 64, 512, 13.287712f};  // theta = 10000
+  const Rope<64> rope{600, 512, 13.287712f};  // theta = 10000
   Mirrored<float> r(M, 0.5f, 2.0f, 5);
   for (GemmTile tile : kGemmTiles)
     for (Output mode : kOutputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<float> aux(size_t(M) * N), sumsq(size_t(M) * p.tiles_n(tile));
       auto make = [&](bool dev) {
-        return make_program(RowBroadcast<Mul>(r.at(dev)), Pairwise<Rope>(rope), StoreAux<float>(aux.at(dev), N),
+        return make_program(RowBroadcast<Mul>(r.at(dev)), Pairwise<Rope<64>>(rope), StoreAux<float>(aux.at(dev), N),
                             RowReduce<SumSquares>(sumsq.at(dev)));
       };
       run_both(p, tile, mode, make, 3e-4);  // angles up to 599 rad through the hardware exp2 and sincos

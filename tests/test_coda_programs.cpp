@@ -120,7 +120,7 @@ TEST(CodaNormStats, SumPartialsOverEveryRemainder) {
 }
 
 TEST(CodaLlama, QkvRowScaleAndRopeEqualRmsNormMatmulRope) {
-  const int n_head = 2, n_kv = 1, hd = 16, N = (n_head + 2 * n_kv) * hd;
+  constexpr int n_head = 2, n_kv = 1, hd = 16, N = (n_head + 2 * n_kv) * hd;
   const float theta = 10000.0f;
   const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 1), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 2));
   const Vec w = random_vec(N * kD, -0.15f, 0.15f, 3);
@@ -132,7 +132,7 @@ TEST(CodaLlama, QkvRowScaleAndRopeEqualRmsNormMatmulRope) {
   Vec acc(kM * N), out(kM * N, NAN);
   ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, N);
   const RmsPartials partials(h);
-  const epi::Rope rope{kT, hd, (n_head + n_kv) * hd, std::log2(theta)};
+  const epi::Rope<hd> rope{kT, (n_head + n_kv) * hd, std::log2(theta)};
   epi::evaluate_on_host(prog::llama::qkv_program(partials.stats(), rope), acc.data(), kM, N, kTile, out.data());
   EXPECT_CLOSE(out, z, kFp32Tol);
   EXPECT_CLOSE(partials.rstd(), rstd_ref, kFp32Tol);

@@ -54,10 +54,10 @@ TEST(Epilogue, SwiGluPairwiseHalvesTheWidth) {
 
 TEST(Epilogue, RopeRotatesAdjacentPairsOfQueryAndKeyHeads) {
   // Rows are tokens of sequences of length T; columns: 2 q heads, 1 k head, 1 v head of width hd.
-  const int T = 5, hd = 16, rot_cols = 3 * hd, N = 4 * hd, M = 2 * T + 3;
+  constexpr int T = 5, hd = 16, rot_cols = 3 * hd, N = 4 * hd, M = 2 * T + 3;
   const float theta = 10000.0f;
   const auto acc = random_vector(M * N, -2.0f, 2.0f, 5);
-  auto program = make_program(Pairwise<Rope>(Rope{T, hd, rot_cols, std::log2(theta)}));
+  auto program = make_program(Pairwise<Rope<hd>>(Rope<hd>{T, rot_cols, std::log2(theta)}));
   std::vector<float> out(M * N, NAN);
   evaluate_on_host(program, acc.data(), M, N, 32, out.data());
   for (int i = 0; i < M; ++i)
@@ -236,3 +236,17 @@ TEST(Epilogue, GeluAndGeluGradientMatchTheFormula) {
 }
 
 }  // namespace
+
+// The GEMM runs its interior chunk body (masks folded) only on N tiles before every column end of the
+// program, in accumulator columns: the LM head's vocabulary bound, scaled through a 2 -> 1 map.
+TEST(Epilogue, ProgramColumnEndIsItsReductionBoundInAccumulatorColumns) {
+  float rstd[1] = {1.0f};
+  LogSumExp::Out lse[1];
+  float sums[1];
+  EXPECT_EQ(make_program(RowBroadcast<Mul>(rstd)).acc_column_end(), kNoColumnEnd);
+  EXPECT_EQ(make_program(RowBroadcast<Mul>(rstd), RowReduce<LogSumExp>(lse, 50257)).acc_column_end(), 50257);
+  EXPECT_EQ(make_program(Pairwise<SwiGlu>(), RowReduce<Sum>(sums, 100)).acc_column_end(), 200);
+  EXPECT_EQ(make_program(RowReduce<Sum>(sums, 300), Pairwise<SwiGlu>(), RowReduce<Sum>(sums, 100)).acc_column_end(),
+            200);
+  EXPECT_EQ(make_program(RowReduce<Sum>(sums)).acc_column_end(), kNoColumnEnd);
+}

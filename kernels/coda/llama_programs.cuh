@@ -24,8 +24,9 @@ using RowScale = RowBroadcast<Mul, RowOf<RmsRstd>>;
 
 // QKV projection: qkv = rope(diag(r) (O Wqkv^T)), r from the partials of norm1's input. RoPE rotates the
 // pairs (2i, 2i + 1) of the q and k heads (adjacent pairs, model.hpp).
-inline auto qkv_program(const NormPartials& stats, const Rope& rope) {
-  return make_program(RowScale(RmsRstd{stats}), Pairwise<Rope>(rope));
+template <int kHeadDim>
+inline auto qkv_program(const NormPartials& stats, const Rope<kHeadDim>& rope) {
+  return make_program(RowScale(RmsRstd{stats}), Pairwise<Rope<kHeadDim>>(rope));
 }
 
 // Out projection and down projection: h = x W^T + res (the residual add, res loaded as a tile), kept as

@@ -73,15 +73,26 @@ struct Frag {
   // groups), a compile-time constant in the GEMM's unrolled chunk body (ColDot gathers four groups by
   // it); the host leaves it 0.
   int group = 0;
-  // GPU: the fragment's 64-row block and N tile lie wholly inside the M x N accumulator. The GEMM
+  // GPU: the fragment's 64-row block and N tile lie wholly inside the M x N accumulator, and before the
+  // program's column ends (Program::acc_column_end: the LM head's vocabulary bound). The GEMM
   // instantiates its chunk body twice, for such interior tiles (a constant true: every row and column
   // mask below folds away, ~5 instructions per value of a reduction-heavy program) and for the edge
   // tiles; the host leaves it false, so host evaluations always run the masks.
   bool interior = false;
+  // GPU: the 8-column accumulator groups of a staged chunk (a constant of the chunk body: 8 for bf16
+  // outputs of 2 -> 2 programs), so chunk c's group g starts at column n0 + 8 (c chunk_groups + g); a
+  // primitive whose values repeat with a period that divides the chunk may cache them per group in
+  // registers (Rope). 0 where that is not possible: on the host (no chunks) and on tiles whose
+  // consumers hold two 64-row blocks (ping-pong 128x128: two program copies beside 128 accumulators,
+  // where a cache of 32 registers per copy spilled).
+  int chunk_groups = 0;
 };
 
 // Output column of f.v[0].
 CODA_HD int out_col(const Frag& f) { return f.col * f.expand / f.stride; }
+
+// No column end: a primitive that masks no columns beyond N (Primitive::column_end).
+constexpr int kNoColumnEnd = 0x7fffffff;
 
 struct RowCtx {
   static constexpr int kMaxSlots = 2;
@@ -96,6 +107,7 @@ struct RowCtx {
   const uint8_t* tiles = nullptr;
   int tile_row0 = 0, tile_col0 = 0, tile_row_bytes = 128;
   int tile_cols = 0;  // accumulator columns of the N tile (GPU: BN; host: the tile width it evaluates)
+  int lane_col = 0;   // GPU: the thread's first column in every 8-column group, 2 (lane % 4); host: 0
   // Output columns per accumulator column for the primitive whose begin_rows gets this context:
   // expand / stride, as in Frag (Program updates them along its list).
   int expand = 1, stride = 1;
@@ -352,25 +364,62 @@ CODA_HD void sincos_turns(float turns, float* s, float* c) {
 }
 
 // RoPE on adjacent pairs (2i, 2i+1) of each head of the first rot_cols columns (q and k heads of the
-// packed qkv row); position = row % seq_len, angle = position * theta^(-2i / head_dim). 2 -> 2.
-// head_dim is a power of two. Columns >= rot_cols (v heads) are computed too and then replaced by the
-// input: a select instead of a branch, so the compiler can interleave the fragments' dependency
-// chains (with a branch per fragment the RoPE epilogue ran one chain at a time and cost +20-30%).
+// packed qkv row); position = row % seq_len, angle = position * theta^(-2i / kHeadDim). 2 -> 2.
+// kHeadDim is a power of two (64 or 128 in the trainer: the attention kernels' head sizes). Columns >=
+// rot_cols (v heads) are computed too and then replaced by the input: a select instead of a branch, so
+// the compiler can interleave the fragments' dependency chains (with a branch per fragment the RoPE
+// epilogue ran one chain at a time and cost +20-30%).
+// GPU: computed per fragment, RoPE is bound by the special-function unit (an exp2, a sine and a cosine
+// per pair; 16 such operations per clock per SM: +8% over the bare llama QKV GEMM, bench_gemm
+// --epilogues). But a pair's angle depends only on its row and on its column modulo kHeadDim, and where
+// a chunk's columns are whole heads (8 chunk_groups % kHeadDim == 0: heads of <= 64 columns in the
+// 64-column chunks of bf16 outputs) a thread's fragment of group g meets the same pair index in every
+// chunk. Its 2 rows x 8 groups of (sin, cos) are then computed once per tile in begin_rows (under the
+// first MMAs, with the same formula, so the values are the ones the per-fragment path would compute)
+// and the chunk bodies only rotate: llama3.2-1b's QKV program 296 -> 290 us, RoPE alone +7.5% -> +3.3%
+// over the bare GEMM. Wider heads, ping-pong 128x128 tiles (Frag::chunk_groups) and the host compute
+// per fragment.
+template <int kHeadDim>
 struct Rope {
+  static_assert(kHeadDim >= 8 && (kHeadDim & (kHeadDim - 1)) == 0, "head_dim: a power of two");
   static constexpr int kOut = 2;
-  int seq_len, head_dim, rot_cols;
+  static constexpr int kCachedGroups = 8;  // the 64-column chunks of bf16 outputs
+  int seq_len, rot_cols;
   float log2_theta;  // log2(theta)
   float position[2] = {0.0f, 0.0f};
   float log2_freq_step = 0.0f;  // log2 of theta^(-1 / head_dim)
+  float sin_cached[2][kCachedGroups] = {}, cos_cached[2][kCachedGroups] = {};  // [slot][group], GPU only
+  CODA_HD Rope(int seq_len_, int rot_cols_, float log2_theta_)
+      : seq_len(seq_len_), rot_cols(rot_cols_), log2_theta(log2_theta_) {}
+  // The fragment's (sin, cos) are in the per-tile cache.
+  static CODA_HD bool cached(const Frag& f) {
+    return f.chunk_groups > 0 && f.chunk_groups <= kCachedGroups && 8 * f.chunk_groups % kHeadDim == 0;
+  }
+  CODA_HD void angle(int slot, int two_i, float* s, float* c) const {
+    const float turns = rope_turns_per_position(static_cast<float>(two_i), log2_freq_step);
+    sincos_turns(position[slot] * turns, s, c);
+  }
   CODA_HD void begin_rows(const RowCtx& ctx) {
     for (int s = 0; s < RowCtx::kMaxSlots; ++s)
       if (ctx.has_slot(s)) position[s] = static_cast<float>(ctx.rows[s] % seq_len);
-    log2_freq_step = -log2_theta / static_cast<float>(head_dim);
+    log2_freq_step = -log2_theta / static_cast<float>(kHeadDim);
+#if defined(__CUDA_ARCH__)
+    if constexpr (8 * kCachedGroups % kHeadDim == 0) {
+#pragma unroll
+      for (int s = 0; s < RowCtx::kMaxSlots; ++s)
+#pragma unroll
+        for (int g = 0; g < kCachedGroups; ++g)
+          angle(s, (ctx.n0 + 8 * g + ctx.lane_col) & (kHeadDim - 1), &sin_cached[s][g], &cos_cached[s][g]);
+    }
+#endif
   }
   CODA_HD void operator()(const Frag& f, float a, float b, float* out) const {
-    const float two_i = static_cast<float>(f.col & (head_dim - 1));
     float s, c;
-    sincos_turns(position[f.slot] * rope_turns_per_position(two_i, log2_freq_step), &s, &c);
+    if (cached(f)) {
+      s = sin_cached[f.slot][f.group], c = cos_cached[f.slot][f.group];
+    } else {
+      angle(f.slot, f.col & (kHeadDim - 1), &s, &c);
+    }
     const bool rotate = f.col < rot_cols;
     out[0] = rotate ? a * c - b * s : a;
     out[1] = rotate ? a * s + b * c : b;
@@ -525,6 +574,10 @@ struct Primitive : NoTiles {
   static constexpr int kOutsPerCol = 1;
   static constexpr int kAuxStores = 0;  // matrices stored besides the main output (StoreAux)
   static constexpr bool kVisits = true;
+  // The output column (at the primitive's place in the program) from which on it masks values, beyond
+  // the accumulator's N: RowReduce's col_end (the LM head's vocabulary bound). Tiles before every such
+  // end of the program are interior (Program::acc_column_end, Frag::interior), so their masks fold.
+  CODA_HD int column_end() const { return kNoColumnEnd; }
   CODA_HD void stage_rows(RowCtx&) const {}
   CODA_HD void begin_rows(const RowCtx&) {}
   CODA_HD void visit(Frag&, const RowCtx&) {}
@@ -770,7 +823,8 @@ struct RowReduce : Primitive {
   int col_end;
   float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, 0.0f};
   float pending[2][kBatch] = {};  // GPU, batched kinds: the slot's values of the current four groups
-  CODA_HD explicit RowReduce(typename Kind::Out* o, int end = 0x7fffffff) : out(o), col_end(end) {}
+  CODA_HD explicit RowReduce(typename Kind::Out* o, int end = kNoColumnEnd) : out(o), col_end(end) {}
+  CODA_HD int column_end() const { return col_end; }
   CODA_HD void begin_rows(const RowCtx& ctx) {
     for (int s = 0; s < RowCtx::kMaxSlots; ++s) Kind::init(a[s], b[s]);
   }
@@ -778,7 +832,7 @@ struct RowReduce : Primitive {
     const int c = out_col(f);
     const bool in = in_columns(f, ctx);
     float x[Frag::kMaxWidth];
-    CODA_FOR_VALUES(i, f) x[i] = in && c + i < col_end ? f.v[i] : Kind::masked();
+    CODA_FOR_VALUES(i, f) x[i] = f.interior || (in && c + i < col_end) ? f.v[i] : Kind::masked();
 #if defined(__CUDA_ARCH__)
     if constexpr (Kind::kBatched) {
       const int q = f.group & 3;
@@ -972,6 +1026,7 @@ template <>
 struct Program<> : Primitive {
   static constexpr int kLength = 0;
   static constexpr int kOutputHalves = 2;
+  CODA_HD int acc_column_end(int = 1, int = 1) const { return kNoColumnEnd; }
 };
 
 template <class P, class... Rest>
@@ -993,6 +1048,13 @@ struct Program<P, Rest...> {
   void collect_tiles(TileSource* sources) const {
     head.collect_tiles(sources);
     tail.collect_tiles(sources);
+  }
+  // The first accumulator column at which some primitive's column_end() masks values (kNoColumnEnd:
+  // none); expand / stride: output columns per accumulator column where the head stands.
+  CODA_HD int acc_column_end(int expand = 1, int stride = 1) const {
+    const int own = head.column_end() == kNoColumnEnd ? kNoColumnEnd : head.column_end() * stride / expand;
+    const int rest = tail.acc_column_end(expand * P::kOutsPerCol, stride * P::kColsPerOut);
+    return own < rest ? own : rest;
   }
   CODA_HD void begin_rows(const RowCtx& ctx) {
     RowCtx next = ctx;

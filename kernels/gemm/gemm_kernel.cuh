@@ -240,6 +240,8 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
   const int warp = t / 32, lane = t % 32;
   const int r0 = warp * 16 + lane / 4;  // row of slot 0 inside a 64-row block; slot 1 is r0 + 8
   const int out_cols = p.N * kExpand / kRatio;
+  // N tiles that end at or before this column run the interior chunk body (Frag::interior).
+  const int interior_n = min(p.N, program.acc_column_end());
   uint8_t* my_staging = staging + cw * 2 * Cfg::kBlockBytes;
   const uint32_t ring_base = sm90::smem_u32(ring);
   // Tile inputs: buffer b of this consumer holds chunk input k at my_inputs + (b * kInputs + k) * kBlockBytes;
@@ -313,6 +315,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       const int m_block = block_row(s);
       epi::RowCtx c{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
       c.tile_cols = Cfg::kBN;
+      c.lane_col = 2 * (lane & 3);
       return c;
     };
     const epi::RowCtx ctx0 = block_ctx(0), ctx1 = block_ctx(1);
@@ -408,7 +411,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
             for (int h = 0; h < 2; ++h) {
               const int i = (kRolled ? 0 : c * kChunkAcc) + 4 * g + 2 * h;  // a constant either way
               epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[i], a[i + 1]},
-                          1, g, decltype(interior)::value};
+                          1, g, decltype(interior)::value, Cfg::kSubs == 1 ? kChunkGroups : 0};
               prog.visit(f, chunk_ctx);
               // The fragment's output column inside the chunk, written from the constant g and the lane
               // (not as col - n0: the compiler kept that a run-time subtraction and recomputed the swizzle
@@ -444,7 +447,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
           ++tile_chunk;
         }
       };
-      if (m_block + 64 <= p.M && n0 + Cfg::kBN <= p.N)
+      if (m_block + 64 <= p.M && n0 + Cfg::kBN <= interior_n)
         visit_chunks(std::true_type{});
       else
         visit_chunks(std::false_type{});
