@@ -173,11 +173,13 @@ void bench_mainloop(CublasLt& cublas) {
 }
 
 // What a program may read besides the accumulators: a row vector (rstd), a partial buffer, and a bf16
-// tile of twice the output width (SwiGLU backward's saved gate/up pairs).
+// tile of twice the output width (SwiGLU backward's saved gate/up pairs); and where it may store an
+// auxiliary bf16 output of the accumulator's width.
 struct EpilogueInputs {
   const float* rstd;
   float* partials;  // room for one (max, sum) pair per (row, 128-column tile)
   const __nv_bfloat16* gu;
+  __nv_bfloat16* aux;
 };
 
 // Bare mainloop vs the same GEMM with a program, per tile configuration, then the tile gemm_choose_tile
@@ -194,6 +196,7 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
   CUDA_CHECK(cudaMalloc(&rstd, s.M * sizeof(float)));
   CUDA_CHECK(cudaMalloc(&in.partials, size_t(s.M) * (s.N / 128 + 1) * sizeof(epi::LogSumExp::Out)));
   CUDA_CHECK(cudaMalloc(&gu, size_t(s.M) * 2 * s.N * sizeof(__nv_bfloat16)));
+  CUDA_CHECK(cudaMalloc(&in.aux, size_t(s.M) * s.N * sizeof(__nv_bfloat16)));
   CUDA_CHECK(cudaMalloc(&out, size_t(s.M) * out_cols * sizeof(__nv_bfloat16)));
   testing::fill_uniform(rstd, s.M, 77, 0.5f, 2.0f);
   testing::fill_uniform(gu, size_t(s.M) * 2 * s.N, 78, -3.0f, 3.0f);
@@ -220,6 +223,7 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
   CUDA_CHECK(cudaFree(rstd));
   CUDA_CHECK(cudaFree(in.partials));
   CUDA_CHECK(cudaFree(gu));
+  CUDA_CHECK(cudaFree(in.aux));
   CUDA_CHECK(cudaFree(out));
 }
 
@@ -241,6 +245,12 @@ void bench_epilogues() {
   });
   bench_epilogue<GemmLayout::Forward>("gpt2 mlp_up: rstd * acc, SwiGLU, sum sq", fc, [](EpilogueInputs in) {
     return make_program(RowBroadcast<Mul>(in.rstd), Pairwise<SwiGlu>(), RowReduce<SumSquares>(in.partials));
+  });
+  bench_epilogue<GemmLayout::Forward>("  gpt2 mlp_up: aux store (bf16) only", fc, [](EpilogueInputs in) {
+    return make_program(StoreAux<__nv_bfloat16>(in.aux, 3072));
+  });
+  bench_epilogue<GemmLayout::Forward>("  llama gate_up: rstd * acc, aux (g, u), SwiGLU", gate_up, [](EpilogueInputs in) {
+    return make_program(RowBroadcast<Mul>(in.rstd), StoreAux<__nv_bfloat16>(in.aux, 16384), Pairwise<SwiGlu>());
   });
   bench_epilogue<GemmLayout::Forward>("  gpt2 mlp_up: rstd * acc only", fc,
                                       [](EpilogueInputs in) { return make_program(RowBroadcast<Mul>(in.rstd)); });

@@ -678,16 +678,66 @@ struct Pairwise : Primitive {
 
 // Auxiliary store of the current values (e.g. the pre-activation kept for backward) to dst[row, output
 // column], row stride ld. The main output is stored by the GEMM after the program.
+// GPU, bf16 pairs on interior tiles: the four lanes of a quad hold a row's 8 columns of each group, one
+// 32-bit pair each. One 4-byte store per fragment had a warp write 8 rows x 16 bytes per instruction
+// (half sectors), and cost +49% over the bare GEMM at gpt2's fc shape (bench_gemm --epilogues, "aux store
+// only"). So a slot's pairs of four groups are kept (the GEMM visits a chunk's groups in order, slot 0
+// then slot 1 of each, and a chunk holds a multiple of four groups, as for ColDot), transposed across the
+// quad in two butterfly rounds of two shuffles, after which lane l holds the 8 columns of the batch's
+// group l, and stored 16 bytes per lane: 8 rows x 64 contiguous bytes per warp instruction. Edge tiles and
+// other widths store per fragment. bf16 rows must be 16-byte aligned (ld a multiple of 8).
 template <class T>
 struct StoreAux : Primitive {
   static constexpr int kAuxStores = 1;
   T* dst;
   int ld;
-  CODA_HD StoreAux(T* d, int l) : dst(d), ld(l) {}
+  uint32_t pending[2][4] = {};  // GPU, bf16: the slot's packed pairs of the current four groups
+  CODA_HD StoreAux(T* d, int l) : dst(d), ld(l) {
+#if !defined(__CUDA_ARCH__)
+    if (std::is_same_v<T, __nv_bfloat16> && (l % 8 != 0 || reinterpret_cast<uintptr_t>(d) % 16 != 0))
+      throw std::invalid_argument("StoreAux<bf16>: rows must be 16-byte aligned (ld " + std::to_string(l) +
+                                  " must be a multiple of 8, the matrix 16-byte aligned)");
+#endif
+  }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      if (f.interior && f.width == 2 && f.stride == 1 && f.expand == 1) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(f.v[0], f.v[1]);
+        pending[f.slot][f.group & 3] = *reinterpret_cast<const uint32_t*>(&pair);
+        if ((f.group & 3) == 3) store_four_groups(f);
+        return;
+      }
+    }
+#endif
     if (in_columns(f, ctx) && in_rows(f, ctx))
       store_values(dst + static_cast<size_t>(f.row) * ld + out_col(f), f.width, f.v);
   }
+#if defined(__CUDACC__)
+  // Round `d` (1, 2) of the quad transpose: the lanes whose bit d is set trade their pairs of groups
+  // without that bit for their partner's pairs of groups with it.
+  __device__ static void transpose_round(uint32_t (&w)[4], int lane_in_quad, int d) {
+    const bool high = (lane_in_quad & d) != 0;
+#pragma unroll
+    for (int g = 0; g < 4; ++g)
+      if ((g & d) == 0) {
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[g] : w[g + d], d);
+        if (high)
+          w[g] = got;
+        else
+          w[g + d] = got;
+      }
+  }
+  // After the slot's fourth group (fragment f): lane l of the quad stores the 8 columns of group l.
+  __device__ void store_four_groups(const Frag& f) {
+    const int lane_in_quad = (f.col >> 1) & 3;  // f.col = n0 + 8 group + 2 lane_in_quad
+    uint32_t(&w)[4] = pending[f.slot];
+    transpose_round(w, lane_in_quad, 1);
+    transpose_round(w, lane_in_quad, 2);
+    const int first_col = f.col - 2 * lane_in_quad - 24 + 8 * lane_in_quad;
+    *reinterpret_cast<uint4*>(dst + static_cast<size_t>(f.row) * ld + first_col) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+#endif
 };
 
 // Row pick: out[row] = v at accumulator column idx[row] (the target logit of cross-entropy). Before any
