@@ -250,3 +250,12 @@ TEST(Epilogue, ProgramColumnEndIsItsReductionBoundInAccumulatorColumns) {
             200);
   EXPECT_EQ(make_program(RowReduce<Sum>(sums)).acc_column_end(), kNoColumnEnd);
 }
+
+// bf16 aux rows must be 16-byte aligned: the GPU stores 8 values of a row at once.
+TEST(Epilogue, Bf16AuxStoreRejectsUnalignedRows) {
+  alignas(16) __nv_bfloat16 rows[64];
+  EXPECT_NO_THROW(StoreAux<__nv_bfloat16>(rows, 16));
+  EXPECT_THROW(StoreAux<__nv_bfloat16>(rows, 12), std::invalid_argument);
+  EXPECT_THROW(StoreAux<__nv_bfloat16>(rows + 1, 16), std::invalid_argument);
+  EXPECT_NO_THROW(StoreAux<float>(reinterpret_cast<float*>(rows) + 1, 3));  // fp32 aux: stored per fragment
+}
