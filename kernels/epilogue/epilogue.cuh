@@ -69,9 +69,9 @@ struct Frag {
   int stride;  // accumulator columns per output column: 1, or 2 after a 2->1 map
   float v[4];  // v[2], v[3] only after a 1->2 map
   int expand = 1;  // output columns per accumulator column: 1, or 2 after a 1->2 map
-  // GPU: the index of the fragment's 8-column accumulator group in the staged chunk (a multiple of four
-  // groups), a compile-time constant in the GEMM's unrolled chunk body (ColDot gathers four groups by
-  // it); the host leaves it 0.
+  // GPU: the index of the fragment's 8-column accumulator group in the staged chunk, a compile-time
+  // constant in the GEMM's unrolled chunk body (batches of four groups, kBatchGroups, are counted by it);
+  // the host leaves it 0.
   int group = 0;
   // GPU: the fragment's 64-row block and N tile lie wholly inside the M x N accumulator, and before the
   // program's column ends (Program::acc_column_end: the LM head's vocabulary bound). The GEMM
@@ -93,6 +93,15 @@ CODA_HD int out_col(const Frag& f) { return f.col * f.expand / f.stride; }
 
 // No column end: a primitive that masks no columns beyond N (Primitive::column_end).
 constexpr int kNoColumnEnd = 0x7fffffff;
+
+// GPU: batches of four 8-column groups. The GEMM visits a chunk's groups in order, each group's slot-0
+// fragment and then its slot-1 fragment (the same columns, 8 rows down), so a primitive may keep a slot's
+// values of four groups and finish them together at the fourth (ColDot's column sums, the batched
+// log-sum-exp of RowReduce, StoreAux's 16-byte stores). Such primitives say so (kBatchesGroups), and the
+// GEMM checks that its chunks hold whole batches.
+constexpr int kBatchGroups = 4;
+CODA_HD int group_in_batch(const Frag& f) { return f.group % kBatchGroups; }
+CODA_HD bool ends_batch(const Frag& f) { return group_in_batch(f) == kBatchGroups - 1; }
 
 struct RowCtx {
   static constexpr int kMaxSlots = 2;
@@ -574,6 +583,7 @@ struct Primitive : NoTiles {
   static constexpr int kOutsPerCol = 1;
   static constexpr int kAuxStores = 0;  // matrices stored besides the main output (StoreAux)
   static constexpr bool kVisits = true;
+  static constexpr bool kBatchesGroups = false;  // gathers four column groups on the GPU (kBatchGroups)
   // The output column (at the primitive's place in the program) from which on it masks values, beyond
   // the accumulator's N: RowReduce's col_end (the LM head's vocabulary bound). Tiles before every such
   // end of the program are interior (Program::acc_column_end, Frag::interior), so their masks fold.
@@ -681,14 +691,14 @@ struct Pairwise : Primitive {
 // GPU, bf16 pairs on interior tiles: the four lanes of a quad hold a row's 8 columns of each group, one
 // 32-bit pair each. One 4-byte store per fragment had a warp write 8 rows x 16 bytes per instruction
 // (half sectors), and cost +49% over the bare GEMM at gpt2's fc shape (bench_gemm --epilogues, "aux store
-// only"). So a slot's pairs of four groups are kept (the GEMM visits a chunk's groups in order, slot 0
-// then slot 1 of each, and a chunk holds a multiple of four groups, as for ColDot), transposed across the
+// only"). So a slot's pairs of a batch of four groups (kBatchGroups) are kept, transposed across the
 // quad in two butterfly rounds of two shuffles, after which lane l holds the 8 columns of the batch's
 // group l, and stored 16 bytes per lane: 8 rows x 64 contiguous bytes per warp instruction. Edge tiles and
 // other widths store per fragment. bf16 rows must be 16-byte aligned (ld a multiple of 8).
 template <class T>
 struct StoreAux : Primitive {
   static constexpr int kAuxStores = 1;
+  static constexpr bool kBatchesGroups = std::is_same_v<T, __nv_bfloat16>;
   T* dst;
   int ld;
   uint32_t pending[2][4] = {};  // GPU, bf16: the slot's packed pairs of the current four groups
@@ -704,8 +714,8 @@ struct StoreAux : Primitive {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       if (f.interior && f.width == 2 && f.stride == 1 && f.expand == 1) {
         const __nv_bfloat162 pair = __floats2bfloat162_rn(f.v[0], f.v[1]);
-        pending[f.slot][f.group & 3] = *reinterpret_cast<const uint32_t*>(&pair);
-        if ((f.group & 3) == 3) store_four_groups(f);
+        pending[f.slot][group_in_batch(f)] = *reinterpret_cast<const uint32_t*>(&pair);
+        if (ends_batch(f)) store_four_groups(f);
         return;
       }
     }
@@ -862,13 +872,13 @@ CODA_HD float merge_lse(const LogSumExp::Out* partials, int count) {
 // Per (row, N tile) partial of the current values: out[row * ctx.tiles_n + ctx.tile_n]. Columns >= N
 // (tile padding) and output columns >= col_end are left out (masked, not branched around: see
 // in_columns).
-// A batched kind (Kind::kBatched, the log-sum-exp) gets a slot's values of four 8-column groups at once
-// on the GPU: a staged chunk holds a multiple of four groups, and the GEMM visits each group's slot-0 and
-// slot-1 fragments in turn, so a slot's batch is complete at its group % 4 == 3 (as for ColDot). The host
-// visits one fragment per row at a time and adds it directly.
+// A batched kind (Kind::kBatched, the log-sum-exp) gets a slot's values of a batch of four 8-column
+// groups (kBatchGroups) at once on the GPU. The host visits one fragment per row at a time and adds it
+// directly.
 template <class Kind>
 struct RowReduce : Primitive {
-  static constexpr int kBatch = Kind::kBatched ? 4 * Frag::kMaxWidth : 1;
+  static constexpr bool kBatchesGroups = Kind::kBatched;
+  static constexpr int kBatch = Kind::kBatched ? kBatchGroups * Frag::kMaxWidth : 1;
   typename Kind::Out* out;
   int col_end;
   float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, 0.0f};
@@ -885,9 +895,8 @@ struct RowReduce : Primitive {
     CODA_FOR_VALUES(i, f) x[i] = f.interior || (in && c + i < col_end) ? f.v[i] : Kind::masked();
 #if defined(__CUDA_ARCH__)
     if constexpr (Kind::kBatched) {
-      const int q = f.group & 3;
-      CODA_FOR_VALUES(i, f) pending[f.slot][q * f.width + i] = x[i];
-      if (q != 3) return;
+      CODA_FOR_VALUES(i, f) pending[f.slot][group_in_batch(f) * f.width + i] = x[i];
+      if (!ends_batch(f)) return;
       if (f.width == 1)
         add_pending<4>(f.slot);
       else if (f.width == 2)
@@ -968,20 +977,21 @@ struct RowDot : RowReduce<Sum> {
 // (bias gradients with x = Ones, gamma gradients with x a Tile or a RowVector). 16 rows are one warp's
 // share of a 64-row block on the GPU: each thread holds 2 rows (slots 0 and 1, visited one after the
 // other for the same columns) and the 8 lanes with the same lane % 4 hold the other rows. A warp
-// finishes four 8-column accumulator groups at once (4 x width values per thread once its two rows are
-// added): a butterfly reduce-scatter over the 8 lanes, each of the three shuffle steps halving the
+// finishes a batch of four 8-column groups (kBatchGroups) at once (4 x width values per thread once its
+// two rows are added): a butterfly reduce-scatter over the 8 lanes, each of the three shuffle steps halving the
 // values a lane keeps (7 shuffles for 8 values instead of 3 per value), leaves each lane its own
 // finished columns, and the warp writes the four groups as one coalesced store. N % 8 == 0. The host
 // runs one row at a time, in order: the group's first row writes, the others add.
 template <class X>
 struct ColDot : Primitive {
+  static constexpr bool kBatchesGroups = true;
   static constexpr int kRows = 16;
   static constexpr int kTileInputs = X::kTileInputs;
   X x;
   float* out;
   int ld;
   float first[Frag::kMaxWidth] = {};     // GPU: slot 0's products of the current group
-  float quad[4 * Frag::kMaxWidth] = {};  // GPU: the two rows' sums of four groups, (group % 4) * width + value
+  float quad[kBatchGroups * Frag::kMaxWidth] = {};  // GPU: the two rows' sums of a batch, group_in_batch * width + value
   CODA_HD ColDot(const X& x_, float* o, int l) : x(x_), out(o), ld(l) {}
   void collect_tiles(TileSource* sources) const { x.collect_tiles(sources); }
   CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
@@ -995,9 +1005,8 @@ struct ColDot : Primitive {
       CODA_FOR_VALUES(i, f) first[i] = y[i];
       return;
     }
-    const int q = f.group & 3;
-    CODA_FOR_VALUES(i, f) quad[q * f.width + i] = y[i] + first[i];
-    if (q == 3) write_quad(f, ctx);
+    CODA_FOR_VALUES(i, f) quad[group_in_batch(f) * f.width + i] = y[i] + first[i];
+    if (ends_batch(f)) write_quad(f, ctx);
 #else
     float* p = out + static_cast<size_t>(f.row / kRows) * ld + out_col(f);
     CODA_FOR_VALUES(i, f) p[i] = (f.row % kRows == 0 ? 0.0f : p[i]) + y[i];
@@ -1085,6 +1094,7 @@ struct Program<P, Rest...> {
   static constexpr int kColsPerOut = P::kColsPerOut * Program<Rest...>::kColsPerOut;
   static constexpr int kOutsPerCol = P::kOutsPerCol * Program<Rest...>::kOutsPerCol;
   static constexpr int kTileInputs = max_of(P::kTileInputs, Program<Rest...>::kTileInputs);
+  static constexpr bool kBatchesGroups = P::kBatchesGroups || Program<Rest...>::kBatchesGroups;
   // Values stored per accumulator, in halves: the main output and every StoreAux, each at the width
   // where it stands (fc: pre and gelu(pre), 4; gate/up: (g, u) and silu(g) u, 3; SwiGLU backward, 4).
   static constexpr int kOutputHalves =

@@ -236,6 +236,8 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
   static_assert((kRatio == 1 || kRatio == 2) && (kExpand == 1 || kExpand == 2) && kRatio * kExpand <= 2,
                 "programs map 2 -> 2, 2 -> 1 or 1 -> 2");
   static_assert(kChunkGroups >= 1 && kChunks >= 1 && Cfg::kBN % kChunkAccCols == 0, "tile must hold whole chunks");
+  static_assert(!Program::kBatchesGroups || kChunkGroups % epi::kBatchGroups == 0,
+                "the program gathers batches of four column groups: a chunk must hold whole batches");
 
   const int warp = t / 32, lane = t % 32;
   const int r0 = warp * 16 + lane / 4;  // row of slot 0 inside a 64-row block; slot 1 is r0 + 8
