@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <cuda_fp16.h>
+
 #include "kernels/gemm/cublaslt.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
 #include "tests/bench_util.cuh"
@@ -267,12 +269,29 @@ void bench_epilogues() {
   });
 }
 
-// Arithmetic alone: kSteps dependent multiply-adds per value (the compiler may not fold a float FMA chain),
-// no memory access. What the overlap rows below compare it with.
-template <int kSteps>
+// Arithmetic alone: kSteps dependent instructions per value of one kind, no memory access (the compiler
+// may not fold any of the chains): fp32 multiply-adds (FFMA), integer multiply-adds on the value's bits
+// (IMAD), packed half-precision multiply-adds (HFMA2), tanh (MUFU). What the overlap rows below compare.
+enum class Pipe { Fp32, Int, Half2, Sfu };
+template <Pipe kPipe, int kSteps>
 struct AluWork {
   CODA_HD float operator()(float x) const {
-    for (int i = 0; i < kSteps; ++i) x = fmaf(x, 0.999f, 0.0001f);
+#if defined(__CUDA_ARCH__)
+    if constexpr (kPipe == Pipe::Fp32) {
+      for (int i = 0; i < kSteps; ++i) x = fmaf(x, 0.999f, 0.0001f);
+    } else if constexpr (kPipe == Pipe::Int) {
+      int v = __float_as_int(x);
+      for (int i = 0; i < kSteps; ++i) v = v * v + 1;
+      x += __int_as_float(v & 0x00800000);
+    } else if constexpr (kPipe == Pipe::Half2) {
+      __half2 h = __floats2half2_rn(x, 0.5f * x);
+      const __half2 a = __floats2half2_rn(0.999f, 0.999f), b = __floats2half2_rn(0.0001f, 0.0001f);
+      for (int i = 0; i < kSteps; ++i) h = __hfma2(h, a, b);
+      x = __low2float(h) + __high2float(h);
+    } else {
+      for (int i = 0; i < kSteps; ++i) asm("tanh.approx.f32 %0, %0;" : "+f"(x));
+    }
+#endif
     return x;
   }
 };
@@ -280,14 +299,31 @@ struct AluWork {
 // Does an epilogue hide under the other consumer's MMAs on the ping-pong tiles? The same kinds of work
 // alone (arithmetic only; column-vector loads from L1; a tile input from shared memory; the online
 // log-sum-exp; the LayerNorm reparameterization) at gpt2's fc shape (K = 768: 12 k-blocks, the
-// shortest mainloop of the programs), on every tile against its bare GEMM.
+// shortest mainloop of the programs), on every tile against its bare GEMM. The arithmetic rows of each
+// kind are short enough to fit under the other consumer's mainloop: on the ping-pong tiles, fp32
+// instructions (FFMA, FMUL, FADD) slow that consumer's MMAs by about their issue cycles, the other kinds
+// hide.
 void bench_overlap() {
   using namespace coda::epi;
   const Shape fc{"gpt2", "mlp_up", GemmLayout::Forward, 32768, 3072, 768};
-  bench_epilogue<GemmLayout::Forward>("overlap: 16 FMAs per value", fc,
-                                      [](EpilogueInputs) { return make_program(Elementwise<AluWork<16>>()); });
-  bench_epilogue<GemmLayout::Forward>("overlap: 48 FMAs per value", fc,
-                                      [](EpilogueInputs) { return make_program(Elementwise<AluWork<48>>()); });
+  bench_epilogue<GemmLayout::Forward>("overlap: 16 FMAs per value", fc, [](EpilogueInputs) {
+    return make_program(Elementwise<AluWork<Pipe::Fp32, 16>>());
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: 48 FMAs per value", fc, [](EpilogueInputs) {
+    return make_program(Elementwise<AluWork<Pipe::Fp32, 48>>());
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: 8 FMAs per value", fc, [](EpilogueInputs) {
+    return make_program(Elementwise<AluWork<Pipe::Fp32, 8>>());
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: 8 integer multiply-adds per value", fc, [](EpilogueInputs) {
+    return make_program(Elementwise<AluWork<Pipe::Int, 8>>());
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: 8 half2 FMAs per value", fc, [](EpilogueInputs) {
+    return make_program(Elementwise<AluWork<Pipe::Half2, 8>>());
+  });
+  bench_epilogue<GemmLayout::Forward>("overlap: 2 tanh per value", fc, [](EpilogueInputs) {
+    return make_program(Elementwise<AluWork<Pipe::Sfu, 2>>());
+  });
   bench_epilogue<GemmLayout::Forward>("overlap: two fp32 column vectors", fc, [](EpilogueInputs in) {
     return make_program(ColBroadcast<Add>(in.rstd), ColBroadcast<Mul>(in.rstd + 8));
   });

@@ -1,7 +1,7 @@
 // The CODA programs of a GPT-2 block (LayerNorm, biases, GELU), each the epilogue of one GEMM.
 // Notation (docs/CODA.md): residual stream h [M, d]; LayerNorm u = (h - mu) r (.) gamma + beta per row
 // (mean mu, r = 1 / sqrt(var + eps)); next GEMM z = u W^T + bias, W [n, d]. Reparameterized forward:
-//   z = r (O W^T) - (r mu) c + b',   O = h (.) gamma,  c = W gamma,  b' = W beta + bias,
+//   z = r (O W^T - mu c) + b',   O = h (.) gamma,  c = W gamma,  b' = W beta + bias,
 // with the weight-derived vectors c, b' computed once per forward (fused::ln_weight_vectors) and mu, r
 // finished from the partial sums of h and h^2 (NormPartials) that the producer of h wrote, once per row
 // by the program's RowStage (norm_stats.cuh) as each GEMM tile's rows begin.
@@ -26,12 +26,13 @@ namespace coda::prog::gpt2 {
 using bf16 = __nv_bfloat16;
 using namespace coda::epi;
 
-// z = r acc - (r mu) c + b' (the LayerNorm reparameterization), followed by the primitives `rest`.
+// z = r (acc - mu c) + b' (the LayerNorm reparameterization), followed by the primitives `rest`. In this
+// order the compiler contracts the row scale and the column add into one multiply-add: two per value,
+// where r acc - (r mu) c + b' took three.
 template <class... Rest>
 inline auto ln_linear_then(const NormPartials& stats, const float* c, const float* b_prime, const Rest&... rest) {
-  return make_program(RowStage<LnRows>(LnRows{stats}), RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{}),
-                      SubScaled<ColVector, RowOf<LnRstdMean>>(LnRstdMean{}, ColVector{c}),
-                      ColBroadcast<Add>(b_prime), rest...);
+  return make_program(RowStage<LnRows>(LnRows{stats}), SubScaled<ColVector, RowOf<LnMean>>(LnMean{}, ColVector{c}),
+                      RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{}), ColBroadcast<Add>(b_prime), rest...);
 }
 
 // QKV: qkv = LN(h) Wqkv^T + bias.

@@ -82,25 +82,24 @@ struct NormPartials {
 };
 
 // ---- LayerNorm statistics as row values, finished once per row by a RowStage ----
-// Forward: z = r (O W^T) - (r mu) c + b' reads LnRstd and LnRstdMean. Backward (scaled form, fused.cuh:
+// Forward: z = r (O W^T - mu c) + b' reads LnRstd and LnMean. Backward (scaled form, fused.cuh:
 // the dgrad accumulator is D' = r du): dh = D' (.) gamma - k h + e reads LnBackwardK and LnBackwardE;
 // dgamma = colsum(D' (.) (h - mu)) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd. A program that
 // reads them starts with RowStage<LnRows> (or RowStage<LnBackwardRows> for k and e), which finishes the
 // partials once per row (each reader finishing them again cost ~18% of the LM head's samples, ncu), and
 // reads them as RowOf<LnRstd> etc.
 using LnRstd = epi::Staged<0>;
-using LnRstdMean = epi::Staged<1>;
-using LnMean = epi::Staged<2>;
-using LnInvRstd = epi::Staged<3>;
-using LnBackwardK = epi::Staged<4>;
-using LnBackwardE = epi::Staged<5>;
+using LnMean = epi::Staged<1>;
+using LnInvRstd = epi::Staged<2>;
+using LnBackwardK = epi::Staged<3>;
+using LnBackwardE = epi::Staged<4>;
 
 struct LnRows {
-  static constexpr int kValues = 4;
+  static constexpr int kValues = 3;
   NormPartials stats;
   CODA_HD void operator()(int row, float* values) const {
     const LnStats st = stats.ln_stats(row);
-    values[0] = st.rstd, values[1] = st.rstd * st.mean, values[2] = st.mean, values[3] = 1.0f / st.rstd;
+    values[0] = st.rstd, values[1] = st.mean, values[2] = 1.0f / st.rstd;
   }
 };
 
@@ -114,15 +113,15 @@ struct LnDots {
 };
 
 struct LnBackwardRows {
-  static constexpr int kValues = 6;
+  static constexpr int kValues = 5;
   NormPartials stats;
   LnDots dots;
   CODA_HD void operator()(int row, float* values) const {
     LnRows{stats}(row, values);
     const size_t at = static_cast<size_t>(row) * dots.count;
     const LnBackwardCoefs k = ln_backward_coefs(dots.c + at, dots.z + at, dots.b + at, dots.count,
-                                                LnStats{values[2], values[0]}, stats.d);
-    values[4] = k.tile_coef, values[5] = k.row_add;
+                                                LnStats{values[1], values[0]}, stats.d);
+    values[3] = k.tile_coef, values[4] = k.row_add;
   }
 };
 

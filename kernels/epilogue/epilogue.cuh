@@ -122,7 +122,7 @@ struct RowCtx {
   int expand = 1, stride = 1;
   // Row values finished by a program's RowStage for the primitives after it (staged[k][slot], read
   // through RowOf<Staged<k>>): a statistic that several primitives read is finished once per row.
-  static constexpr int kMaxStaged = 6;
+  static constexpr int kMaxStaged = 5;
   float staged[kMaxStaged][kMaxSlots] = {};
   // Slot s is in use. Loops over slots run to the constant kMaxSlots and test this, so the compiler
   // unrolls them and keeps per-slot state in registers (a loop to num_slots, around a loop of unknown
@@ -752,19 +752,29 @@ struct StoreAux : Primitive {
 
 // Row pick: out[row] = v at accumulator column idx[row] (the target logit of cross-entropy). Before any
 // width change only (a frag is then the pair col, col + 1). The value is selected, not indexed: f.v[d]
-// with a run-time d would put every Frag of the program in local memory.
+// with a run-time d would put every Frag of the program in local memory. The target's pair column, its
+// parity and the row's output address are kept per row, so a fragment costs a compare and, predicated
+// on it, a select and a store (computed per fragment from the target and the row, the address, the
+// offset and the two-way test took ~7 instructions per fragment, ~3.5 per value of the LM head's ~15).
 struct RowPick : Primitive {
   const int32_t* idx;
   float* out;
-  int target[2] = {-1, -1};
+  int target_pair[2] = {-1, -1};  // the target's even column (-1: no target, rows >= M)
+  bool target_odd[2] = {false, false};
+  float* row_out[2] = {nullptr, nullptr};
   CODA_HD RowPick(const int32_t* i, float* o) : idx(i), out(o) {}
   CODA_HD void begin_rows(const RowCtx& ctx) {
     for (int s = 0; s < RowCtx::kMaxSlots; ++s)
-      if (ctx.has_slot(s)) target[s] = ctx.rows[s] < ctx.M ? idx[ctx.rows[s]] : -1;
+      if (ctx.has_slot(s) && ctx.rows[s] < ctx.M) {
+        const int target = idx[ctx.rows[s]];
+        target_pair[s] = target & ~1;
+        target_odd[s] = (target & 1) != 0;
+        row_out[s] = out + ctx.rows[s];
+      }
   }
   CODA_HD void visit(Frag& f, const RowCtx&) {
-    const int d = target[f.slot] - f.col;
-    if (f.stride == 1 && f.expand == 1 && (d == 0 || d == 1)) out[f.row] = d == 0 ? f.v[0] : f.v[1];
+    if (f.stride == 1 && f.expand == 1 && f.col == target_pair[f.slot])
+      *row_out[f.slot] = target_odd[f.slot] ? f.v[1] : f.v[0];
   }
 };
 

@@ -303,16 +303,16 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       // The previous tile's chunks were all visited (its last named barrier): every buffer is free.
       if (t == 0) issue_first_inputs();
     }
-    if constexpr (Cfg::kPingPong) {
-      // Consumer 0's first turn is free (a wait for parity 1 on a fresh barrier succeeds at once).
-      sm90::mbar_wait(&turn[cw], (my_units++ & 1) ^ (cw == 0 ? 1 : 0));
-    }
 
     // The program's per-row work (row operands finished from partials, targets, column-vector
-    // prefetches) runs right after the first k-block's MMAs are issued, so its loads and math take place
-    // under them. (Before the mainloop, the loads' latency stalled the consumers while the tensor cores
-    // waited: 10-13% of the LM head's and the proj dgrad's time, ncu; just before wgmma.wait_group 0,
-    // ptxas moved most of the loads below the wait.) Costs a few registers across the mainloop.
+    // prefetches) runs where its loads' latency is hidden under MMAs: on the ping-pong tiles before the
+    // consumer waits for its turn, under the other consumer's mainloop; on the cooperative tile right
+    // after the first k-block's MMAs are issued. (Before the cooperative mainloop, the loads' latency
+    // stalled the consumers while the tensor cores waited: 10-13% of the LM head's and the proj dgrad's
+    // time, ncu; just before wgmma.wait_group 0, ptxas moved most of the loads below the wait. On the
+    // ping-pong tiles after the first MMAs, the wait for the loads held up the second k-block's MMAs by
+    // ~700 cycles of a 64x256 tile's ~7000, clock64 stamps in the kernel.) Costs a few registers across
+    // the mainloop.
     auto block_ctx = [&](int s) {
       const int m_block = block_row(s);
       epi::RowCtx c{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
@@ -322,6 +322,15 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     };
     const epi::RowCtx ctx0 = block_ctx(0), ctx1 = block_ctx(1);
     Program prog0 = program, prog1 = program;
+    auto begin_rows = [&] {
+      prog0.begin_rows(ctx0);
+      if constexpr (Cfg::kSubs == 2) prog1.begin_rows(ctx1);
+    };
+    if constexpr (Cfg::kPingPong) {
+      begin_rows();
+      // Consumer 0's first turn is free (a wait for parity 1 on a fresh barrier succeeds at once).
+      sm90::mbar_wait(&turn[cw], (my_units++ & 1) ^ (cw == 0 ? 1 : 0));
+    }
 
     // ---- mainloop ----
     uint32_t prev_slot = 0;
@@ -350,8 +359,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
             issue_first_inputs();
           }
         }
-        prog0.begin_rows(ctx0);
-        if constexpr (Cfg::kSubs == 2) prog1.begin_rows(ctx1);
+        if constexpr (!Cfg::kPingPong) begin_rows();
       }
       sm90::wgmma_wait<1>();  // the previous stage's MMAs are done: release it
       if (kb > 0 && lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
