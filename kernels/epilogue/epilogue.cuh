@@ -753,9 +753,10 @@ struct StoreAux : Primitive {
 // Row pick: out[row] = v at accumulator column idx[row] (the target logit of cross-entropy). Before any
 // width change only (a frag is then the pair col, col + 1). The value is selected, not indexed: f.v[d]
 // with a run-time d would put every Frag of the program in local memory. The target's pair column, its
-// parity and the row's output address are kept per row, so a fragment costs a compare and, predicated
-// on it, a select and a store (computed per fragment from the target and the row, the address, the
-// offset and the two-way test took ~7 instructions per fragment, ~3.5 per value of the LM head's ~15).
+// parity and the row's output address are kept per row, so a fragment costs its column and a compare
+// and, predicated on it, the parity test, the select and the store (~5 issued instructions; computed per
+// fragment from the target and the row, the offset, the two-way test and the address took ~7, with a
+// load of the output pointer, ~3.5 per value of the LM head's ~15).
 struct RowPick : Primitive {
   const int32_t* idx;
   float* out;
