@@ -602,6 +602,7 @@ struct Primitive : NoTiles {
 template <class Stat>
 struct RowStage : Primitive {
   static constexpr bool kVisits = false;
+  static_assert(Stat::kValues <= RowCtx::kMaxStaged, "RowCtx::kMaxStaged staged row values at most");
   Stat stat;
   CODA_HD explicit RowStage(const Stat& s) : stat(s) {}
   CODA_HD void stage_rows(RowCtx& ctx) const {
