@@ -296,34 +296,29 @@ struct AluWork {
   }
 };
 
+// One elementwise arithmetic program (Work per value) against the bare GEMM.
+template <class Work>
+void bench_arithmetic(const char* label, const Shape& s) {
+  bench_epilogue<GemmLayout::Forward>(label, s,
+                                      [](EpilogueInputs) { return epi::make_program(epi::Elementwise<Work>()); });
+}
+
 // Does an epilogue hide under the other consumer's MMAs on the ping-pong tiles? The same kinds of work
 // alone (arithmetic only; column-vector loads from L1; a tile input from shared memory; the online
 // log-sum-exp; the LayerNorm reparameterization) at gpt2's fc shape (K = 768: 12 k-blocks, the
-// shortest mainloop of the programs), on every tile against its bare GEMM. The arithmetic rows of each
-// kind are short enough to fit under the other consumer's mainloop: on the ping-pong tiles, fp32
-// instructions (FFMA, FMUL, FADD) slow that consumer's MMAs by about their issue cycles, the other kinds
-// hide.
+// shortest mainloop of the programs), on every tile against its bare GEMM. On the ping-pong tiles fp32
+// instructions (FFMA, FMUL, FADD) slow the other consumer's MMAs by about their issue cycles, integer and
+// half2 ones do not (a clock64 timeline, PERFORMANCE.md session 10) but run at half rate, so their rows
+// cost about as much in time; tanh hides.
 void bench_overlap() {
   using namespace coda::epi;
   const Shape fc{"gpt2", "mlp_up", GemmLayout::Forward, 32768, 3072, 768};
-  bench_epilogue<GemmLayout::Forward>("overlap: 16 FMAs per value", fc, [](EpilogueInputs) {
-    return make_program(Elementwise<AluWork<Pipe::Fp32, 16>>());
-  });
-  bench_epilogue<GemmLayout::Forward>("overlap: 48 FMAs per value", fc, [](EpilogueInputs) {
-    return make_program(Elementwise<AluWork<Pipe::Fp32, 48>>());
-  });
-  bench_epilogue<GemmLayout::Forward>("overlap: 8 FMAs per value", fc, [](EpilogueInputs) {
-    return make_program(Elementwise<AluWork<Pipe::Fp32, 8>>());
-  });
-  bench_epilogue<GemmLayout::Forward>("overlap: 8 integer multiply-adds per value", fc, [](EpilogueInputs) {
-    return make_program(Elementwise<AluWork<Pipe::Int, 8>>());
-  });
-  bench_epilogue<GemmLayout::Forward>("overlap: 8 half2 FMAs per value", fc, [](EpilogueInputs) {
-    return make_program(Elementwise<AluWork<Pipe::Half2, 8>>());
-  });
-  bench_epilogue<GemmLayout::Forward>("overlap: 2 tanh per value", fc, [](EpilogueInputs) {
-    return make_program(Elementwise<AluWork<Pipe::Sfu, 2>>());
-  });
+  bench_arithmetic<AluWork<Pipe::Fp32, 16>>("overlap: 16 FMAs per value", fc);
+  bench_arithmetic<AluWork<Pipe::Fp32, 48>>("overlap: 48 FMAs per value", fc);
+  bench_arithmetic<AluWork<Pipe::Fp32, 8>>("overlap: 8 FMAs per value", fc);
+  bench_arithmetic<AluWork<Pipe::Int, 8>>("overlap: 8 integer multiply-adds per value", fc);
+  bench_arithmetic<AluWork<Pipe::Half2, 8>>("overlap: 8 half2 FMAs per value", fc);
+  bench_arithmetic<AluWork<Pipe::Sfu, 2>>("overlap: 2 tanh per value", fc);
   bench_epilogue<GemmLayout::Forward>("overlap: two fp32 column vectors", fc, [](EpilogueInputs in) {
     return make_program(ColBroadcast<Add>(in.rstd), ColBroadcast<Mul>(in.rstd + 8));
   });
