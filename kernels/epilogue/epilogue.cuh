@@ -700,9 +700,10 @@ template <class T>
 struct StoreAux : Primitive {
   static constexpr int kAuxStores = 1;
   static constexpr bool kBatchesGroups = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kBatchGroups == 4, "the quad transpose gives each of a quad's four lanes one group of the batch");
   T* dst;
   int ld;
-  uint32_t pending[2][4] = {};  // GPU, bf16: the slot's packed pairs of the current four groups
+  uint32_t pending[2][kBatchGroups] = {};  // GPU, bf16: the slot's packed pairs of the current batch
   CODA_HD StoreAux(T* d, int l) : dst(d), ld(l) {
 #if !defined(__CUDA_ARCH__)
     if (std::is_same_v<T, __nv_bfloat16> && (l % 8 != 0 || reinterpret_cast<uintptr_t>(d) % 16 != 0))
@@ -727,10 +728,10 @@ struct StoreAux : Primitive {
 #if defined(__CUDACC__)
   // Round `d` (1, 2) of the quad transpose: the lanes whose bit d is set trade their pairs of groups
   // without that bit for their partner's pairs of groups with it.
-  __device__ static void transpose_round(uint32_t (&w)[4], int lane_in_quad, int d) {
+  __device__ static void transpose_round(uint32_t (&w)[kBatchGroups], int lane_in_quad, int d) {
     const bool high = (lane_in_quad & d) != 0;
 #pragma unroll
-    for (int g = 0; g < 4; ++g)
+    for (int g = 0; g < kBatchGroups; ++g)
       if ((g & d) == 0) {
         const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[g] : w[g + d], d);
         if (high)
@@ -742,10 +743,11 @@ struct StoreAux : Primitive {
   // After the slot's fourth group (fragment f): lane l of the quad stores the 8 columns of group l.
   __device__ void store_four_groups(const Frag& f) {
     const int lane_in_quad = (f.col >> 1) & 3;  // f.col = n0 + 8 group + 2 lane_in_quad
-    uint32_t(&w)[4] = pending[f.slot];
+    uint32_t(&w)[kBatchGroups] = pending[f.slot];
     transpose_round(w, lane_in_quad, 1);
     transpose_round(w, lane_in_quad, 2);
-    const int first_col = f.col - 2 * lane_in_quad - 24 + 8 * lane_in_quad;
+    // The batch's first column (f.col is this lane's column of the fourth group), then this lane's group.
+    const int first_col = f.col - 2 * lane_in_quad - 8 * (kBatchGroups - 1) + 8 * lane_in_quad;
     *reinterpret_cast<uint4*>(dst + static_cast<size_t>(f.row) * ld + first_col) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 #endif
