@@ -15,6 +15,7 @@
 
 #include "kernels/coda/gpt2_programs.cuh"
 #include "kernels/coda/llama_programs.cuh"
+#include "kernels/gemm/gemm.cuh"
 #include "src/ref_ops.hpp"
 
 namespace {
@@ -519,6 +520,28 @@ TEST(CodaGpt2, MlpBackwardChainWeightGradientRankOneCorrectionAndLayerNormBackwa
   EXPECT_CLOSE(got.dgamma, expect.dgamma, kFp32Tol);
   EXPECT_CLOSE(got.dbeta, expect.dbeta, kFp32Tol);
   EXPECT_CLOSE(got.residual_colsum, expect.residual_colsum, kBf16Tol);
+}
+
+// The tile rule of the programs (gemm_choose_tile; gemm_epilogue_of maps a program with two tile inputs
+// to GemmEpilogue::TwoTileInputs): the two-input LayerNorm backward and the long-K dgrads stay on the
+// cooperative tile, the narrow forward programs on ping-pong 128x128, the others go to ping-pong 64x256.
+TEST(CodaTiles, ProgramsTakeTheTileOfTheirShapeAndTileInputs) {
+  const auto ln_backward = prog::gpt2::ln_backward_program({}, {}, nullptr, 768, nullptr, nullptr, {});
+  const auto norm_backward = prog::llama::norm_backward_program({}, nullptr, 1, nullptr, 2048, nullptr, nullptr);
+  EXPECT_EQ(decltype(ln_backward)::kTileInputs, 2);   // h and d_residual
+  EXPECT_EQ(decltype(norm_backward)::kTileInputs, 1);  // h (the residual gradient is reduce-added)
+  const auto pick = [](GemmLayout layout, int M, int N, int K, GemmEpilogue e) {
+    return gemm_choose_tile(layout, M, N, K, e);
+  };
+  EXPECT_EQ(pick(GemmLayout::Dgrad, 32768, 768, 3072, GemmEpilogue::TwoTileInputs), GemmTile::Cooperative128x256);
+  EXPECT_EQ(pick(GemmLayout::Dgrad, 16384, 2048, 3072, GemmEpilogue::Program), GemmTile::PingPong64x256);
+  EXPECT_EQ(pick(GemmLayout::Dgrad, 16384, 2048, 128256, GemmEpilogue::Program), GemmTile::Cooperative128x256);
+  EXPECT_EQ(pick(GemmLayout::Forward, 32768, 768, 3072, GemmEpilogue::Program), GemmTile::PingPong128x128);
+  EXPECT_EQ(pick(GemmLayout::Forward, 16384, 2048, 8192, GemmEpilogue::Program), GemmTile::Cooperative128x256);
+  EXPECT_EQ(pick(GemmLayout::Forward, 32768, 50304, 768, GemmEpilogue::Program), GemmTile::PingPong64x256);
+  EXPECT_EQ(pick(GemmLayout::Forward, 32768, 3072, 768, GemmEpilogue::Bare), GemmTile::PingPong128x128);
+  // Both tiles a program may take besides the narrow one have the same N width: the same row partials.
+  EXPECT_EQ(gemm_tile_n(GemmTile::Cooperative128x256), gemm_tile_n(GemmTile::PingPong64x256));
 }
 
 }  // namespace

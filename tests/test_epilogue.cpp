@@ -215,17 +215,6 @@ TEST(Epilogue, ColumnPartialsRowDotsAndScaledSubtraction) {
   for (size_t k = 0; k < row_dot.size(); ++k) EXPECT_NEAR(row_p[k], row_dot[k], 1e-4 * (1.0 + std::abs(row_dot[k])));
 }
 
-// The stored volume the GEMM's tile choice reads (gemm_epilogue_of): values per accumulator in halves, the
-// main output and each auxiliary store counted at the width where it stands.
-TEST(Epilogue, OutputHalvesCountTheMainOutputAndAuxStoresAtTheirWidth) {
-  EXPECT_EQ(Program<>::kOutputHalves, 2);
-  EXPECT_EQ((Program<RowBroadcast<Mul>, ColBroadcast<Add>>::kOutputHalves), 2);
-  EXPECT_EQ((Program<StoreAux<float>, Elementwise<Gelu>>::kOutputHalves), 4);             // fc: pre, gelu(pre)
-  EXPECT_EQ((Program<StoreAux<float>, Pairwise<SwiGlu>, RowReduce<SumSquares>>::kOutputHalves), 3);  // gate/up
-  EXPECT_EQ((Program<Pairwise<SwiGlu>, StoreAux<float>>::kOutputHalves), 2);              // aux after the 2 -> 1 map
-  EXPECT_EQ((Program<SwiGluBackward<float>, RowDot<Tile>>::kOutputHalves), 4);            // (dg, du) per column
-}
-
 // GELU and its gradient as the programs evaluate them, against the tanh formula and a central difference.
 TEST(Epilogue, GeluAndGeluGradientMatchTheFormula) {
   for (double x = -6.0; x <= 6.0; x += 0.01) {

@@ -581,7 +581,6 @@ struct Difference {
 struct Primitive : NoTiles {
   static constexpr int kColsPerOut = 1;
   static constexpr int kOutsPerCol = 1;
-  static constexpr int kAuxStores = 0;  // matrices stored besides the main output (StoreAux)
   static constexpr bool kVisits = true;
   static constexpr bool kBatchesGroups = false;  // gathers four column groups on the GPU (kBatchGroups)
   // The output column (at the primitive's place in the program) from which on it masks values, beyond
@@ -698,7 +697,6 @@ struct Pairwise : Primitive {
 // other widths store per fragment. bf16 rows must be 16-byte aligned (ld a multiple of 8).
 template <class T>
 struct StoreAux : Primitive {
-  static constexpr int kAuxStores = 1;
   static constexpr bool kBatchesGroups = std::is_same_v<T, __nv_bfloat16>;
   static_assert(kBatchGroups == 4, "the quad transpose gives each of a quad's four lanes one group of the batch");
   T* dst;
@@ -1098,7 +1096,6 @@ struct Program;
 template <>
 struct Program<> : Primitive {
   static constexpr int kLength = 0;
-  static constexpr int kOutputHalves = 2;
   CODA_HD int acc_column_end(int = 1, int = 1) const { return kNoColumnEnd; }
 };
 
@@ -1109,10 +1106,6 @@ struct Program<P, Rest...> {
   static constexpr int kOutsPerCol = P::kOutsPerCol * Program<Rest...>::kOutsPerCol;
   static constexpr int kTileInputs = max_of(P::kTileInputs, Program<Rest...>::kTileInputs);
   static constexpr bool kBatchesGroups = P::kBatchesGroups || Program<Rest...>::kBatchesGroups;
-  // Values stored per accumulator, in halves: the main output and every StoreAux, each at the width
-  // where it stands (fc: pre and gelu(pre), 4; gate/up: (g, u) and silu(g) u, 3; SwiGLU backward, 4).
-  static constexpr int kOutputHalves =
-      2 * P::kAuxStores + Program<Rest...>::kOutputHalves * P::kOutsPerCol / P::kColsPerOut;
   static_assert(kTileInputs <= kMaxTileInputs, "a program reads at most kMaxTileInputs tile inputs");
   P head;
   Program<Rest...> tail;

@@ -150,18 +150,20 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 
 // Measured (docs/GEMM.md). Bare GEMMs: ping-pong wins where the epilogue is a noticeable share of a tile
 // (K up to a few thousand) unless N is narrow; the larger cooperative tile wins for long K and weight
-// gradients. Programs (every CODA program of both trainers on each tile, CODA_GEMM_TILE): the
-// cooperative tile wins by 2-30% except on the narrow forward programs (the residual programs,
-// N = d_model <= 2048, K <= 4096), where the 128 x 128 ping-pong wins by 1-12%, and on the programs that
-// store two values per accumulator over a short K (gpt2 fc, llama down dgrad), where the 64 x 256
-// ping-pong wins by 3-12%. The 64 x 256 tile has the cooperative tile's N width, so the row partial
-// count of a program (gemm_row_partials) does not depend on what it stores.
+// gradients. Programs (every CODA program of both trainers on each tile, CODA_GEMM_TILE): since the
+// ping-pong consumers finish their per-row work before they wait for their turn (gemm_kernel.cuh), the
+// 64 x 256 ping-pong wins on most programs, by up to 11% (llama LM head, gpt2 QKV); the 128 x 128
+// ping-pong stays ahead on the narrow forward programs (the residual programs, N = d_model <= 2048,
+// K <= 4096), and the cooperative tile on the long-K ones (the LM-head dgrads, K >= 8192) and on the
+// two-input LayerNorm backward (three ring stages on the 64 x 256 tile: 299 vs 319 us at gpt2's fc).
+// The 64 x 256 tile has the cooperative tile's N width, so a program's row partial count
+// (gemm_row_partials) is the same on either.
 GemmTile gemm_choose_tile(GemmLayout layout, int, int N, int K, GemmEpilogue epilogue) {
   if (gemm_detail::forced_tile() != GemmTile::Auto) return gemm_detail::forced_tile();
   if (epilogue != GemmEpilogue::Bare) {
     if (layout == GemmLayout::Forward && N <= 2048 && K <= 4096) return GemmTile::PingPong128x128;
-    return epilogue == GemmEpilogue::StoringProgram && K <= 2048 ? GemmTile::PingPong64x256
-                                                                 : GemmTile::Cooperative128x256;
+    if (K >= 8192 || epilogue == GemmEpilogue::TwoTileInputs) return GemmTile::Cooperative128x256;
+    return GemmTile::PingPong64x256;
   }
   if (layout == GemmLayout::Wgrad || K >= 8192 || (N <= 1024 && K >= 2048)) return GemmTile::Cooperative128x256;
   return GemmTile::PingPong128x128;

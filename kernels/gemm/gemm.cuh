@@ -17,19 +17,20 @@ namespace coda {
 
 enum class GemmLayout { Forward, Dgrad, Wgrad };
 
-// Cooperative128x256: both consumer warpgroups on one 128 x 256 tile (4-stage ring; 3 with tile inputs),
-// for long K and for nearly every program. PingPong128x128: each consumer warpgroup its own 128 x 128
-// tile (6-stage ring; 5 or 4 with tile inputs), so epilogues hide under the other warpgroup's MMAs; for
-// short-K bare GEMMs and the narrow forward programs (gemm_choose_tile). PingPong64x256: ping-pong on
-// 64 x 256 tiles (4-stage ring; 3 with two tile inputs): each consumer's epilogue is exactly a cooperative
-// consumer's (64 rows x 256 columns, per-row work over 256 columns), overlapped with the other's MMAs.
+// Cooperative128x256: both consumer warpgroups on one 128 x 256 tile (4-stage ring; 3 with two tile
+// inputs), for long K (bare GEMMs and programs) and the programs with two tile inputs. PingPong128x128:
+// each consumer warpgroup its own 128 x 128 tile (6-stage ring; 5 or 4 with tile inputs), so epilogues
+// hide under the other warpgroup's MMAs; for short-K bare GEMMs and the narrow forward programs.
+// PingPong64x256: ping-pong on 64 x 256 tiles (4-stage ring; 3 with two tile inputs): each consumer's
+// epilogue is exactly a cooperative consumer's (64 rows x 256 columns, per-row work over 256 columns),
+// overlapped with the other's MMAs; for the other programs (gemm_choose_tile).
 enum class GemmTile { Auto, Cooperative128x256, PingPong128x128, PingPong64x256 };
 inline constexpr GemmTile kGemmTiles[] = {GemmTile::Cooperative128x256, GemmTile::PingPong128x128,
                                           GemmTile::PingPong64x256};
 
-// What the epilogue does, for the tile choice: a bare GEMM's store, a program, or a program that stores
-// two or more values per accumulator (an auxiliary matrix beside its output, or a 1 -> 2 map).
-enum class GemmEpilogue { Bare, Program, StoringProgram };
+// What the epilogue is, for the tile choice: a bare GEMM's store, a program, or a program with two tile
+// inputs (whose chunk buffers leave the ping-pong 64x256 tile three ring stages).
+enum class GemmEpilogue { Bare, Program, TwoTileInputs };
 
 // The tile Auto picks for a GEMM of this shape and epilogue.
 GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, GemmEpilogue epilogue);

@@ -58,7 +58,7 @@ constexpr bool is_identity = std::is_same_v<Program, epi::Program<>>;
 template <class Program>
 constexpr GemmEpilogue gemm_epilogue_of() {
   if constexpr (gemm_detail::is_identity<Program>) return GemmEpilogue::Bare;
-  return Program::kOutputHalves >= 4 ? GemmEpilogue::StoringProgram : GemmEpilogue::Program;
+  return Program::kTileInputs >= 2 ? GemmEpilogue::TwoTileInputs : GemmEpilogue::Program;
 }
 
 template <GemmLayout kLayout, class OutT, class Program>
