@@ -38,6 +38,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -751,18 +752,30 @@ struct StoreAux : Primitive {
 #endif
 };
 
+// a where mask is 0, b where it is all ones, bit by bit (one LOP3 on the GPU, no predicate).
+CODA_HD float bit_select(float a, float b, uint32_t mask) {
+  uint32_t ua, ub;
+  memcpy(&ua, &a, sizeof ua);
+  memcpy(&ub, &b, sizeof ub);
+  const uint32_t r = (ua & ~mask) | (ub & mask);
+  float out;
+  memcpy(&out, &r, sizeof out);
+  return out;
+}
+
 // Row pick: out[row] = v at accumulator column idx[row] (the target logit of cross-entropy). Before any
 // width change only (a frag is then the pair col, col + 1). The value is selected, not indexed: f.v[d]
-// with a run-time d would put every Frag of the program in local memory. The target's pair column, its
-// parity and the row's output address are kept per row, so a fragment costs its column and a compare
-// and, predicated on it, the parity test, the select and the store (~5 issued instructions; computed per
-// fragment from the target and the row, the offset, the two-way test and the address took ~7, with a
-// load of the output pointer, ~3.5 per value of the LM head's ~15).
+// with a run-time d would put every Frag of the program in local memory. The target's pair column, a
+// mask of its parity and the row's output address are kept per row, so a fragment costs its column, a
+// compare, a bitwise select (one LOP3) and the store predicated on the compare (with the parity as a
+// bool, its test and a float select took two more, ~250 instructions of the gpt2 LM head's ~5100;
+// computed per fragment from the target and the row, the offset, the two-way test and the address took
+// ~7, with a load of the output pointer, ~3.5 per value of the LM head's ~15).
 struct RowPick : Primitive {
   const int32_t* idx;
   float* out;
   int target_pair[2] = {-1, -1};  // the target's even column (-1: no target, rows >= M)
-  bool target_odd[2] = {false, false};
+  uint32_t odd_mask[2] = {0u, 0u};  // all ones where the target is the pair's second column
   float* row_out[2] = {nullptr, nullptr};
   CODA_HD RowPick(const int32_t* i, float* o) : idx(i), out(o) {}
   CODA_HD void begin_rows(const RowCtx& ctx) {
@@ -770,13 +783,13 @@ struct RowPick : Primitive {
       if (ctx.has_slot(s) && ctx.rows[s] < ctx.M) {
         const int target = idx[ctx.rows[s]];
         target_pair[s] = target & ~1;
-        target_odd[s] = (target & 1) != 0;
+        odd_mask[s] = 0u - static_cast<uint32_t>(target & 1);
         row_out[s] = out + ctx.rows[s];
       }
   }
   CODA_HD void visit(Frag& f, const RowCtx&) {
     if (f.stride == 1 && f.expand == 1 && f.col == target_pair[f.slot])
-      *row_out[f.slot] = target_odd[f.slot] ? f.v[1] : f.v[0];
+      *row_out[f.slot] = bit_select(f.v[0], f.v[1], odd_mask[f.slot]);
   }
 };
 
