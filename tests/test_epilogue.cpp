@@ -240,6 +240,23 @@ TEST(Epilogue, ProgramColumnEndIsItsReductionBoundInAccumulatorColumns) {
   EXPECT_EQ(make_program(RowReduce<Sum>(sums)).acc_column_end(), kNoColumnEnd);
 }
 
+// The bytes per accumulator column of a program's column vectors (what the GPU stages per tile in shared
+// memory): each vector's element size, halved after a 2->1 map and doubled after a 1->2 map.
+TEST(Epilogue, ProgramColumnBytesCountEachColumnVectorAtItsWidth) {
+  float rstd[1] = {1.0f}, c[4] = {}, dots[1];
+  __nv_bfloat16 bias[4] = {};
+  using Gpt2Head = decltype(make_program(SubScaled<ColVector>(rstd, ColVector{c}), RowBroadcast<Mul>(rstd),
+                                         ColBroadcast<Add>(c), RowReduce<LogSumExp>(nullptr, 4)));
+  EXPECT_EQ(Gpt2Head::column_bytes(), 8);
+  using Residual = decltype(make_program(ColBroadcast<Add, __nv_bfloat16>(bias), RowReduce<Sum>(dots),
+                                         ColBroadcast<Mul, __nv_bfloat16>(bias)));
+  EXPECT_EQ(Residual::column_bytes(), 4);
+  using AfterSwiGlu = decltype(make_program(RowDot<ColVector>(ColVector{c}, dots), Pairwise<SwiGlu>(),
+                                            ColBroadcast<Add>(c)));
+  EXPECT_EQ(AfterSwiGlu::column_bytes(), 4 + 2);
+  EXPECT_EQ(decltype(make_program(RowBroadcast<Mul>(rstd), Pairwise<SwiGlu>()))::column_bytes(), 0);
+}
+
 // bf16 aux rows must be 16-byte aligned: the GPU stores 8 values of a row at once.
 TEST(Epilogue, Bf16AuxStoreRejectsUnalignedRows) {
   alignas(16) __nv_bfloat16 rows[64];

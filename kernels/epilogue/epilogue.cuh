@@ -87,6 +87,9 @@ struct Frag {
   // consumers hold two 64-row blocks (ping-pong 128x128: two program copies beside 128 accumulators,
   // where a cache of 32 registers per copy spilled).
   int chunk_groups = 0;
+  // GPU: the program's column vectors were copied into shared memory as the tile's rows began (RowCtx::
+  // column_stage, ColVectorOf), a constant of the GEMM's configuration; the host leaves it false.
+  bool columns_staged = false;
 };
 
 // Output column of f.v[0].
@@ -121,6 +124,10 @@ struct RowCtx {
   // Output columns per accumulator column for the primitive whose begin_rows gets this context:
   // expand / stride, as in Frag (Program updates them along its list).
   int expand = 1, stride = 1;
+  // GPU: where the next column vector of the program goes for this tile: shared memory that the
+  // program's column vectors take one after the other (Program::begin_rows moves it on), or nullptr where
+  // the configuration has no room for them (they are then read from global memory) and on the host.
+  uint8_t* column_stage = nullptr;
   // Row values finished by a program's RowStage for the primitives after it (staged[k][slot], read
   // through RowOf<Staged<k>>): a statistic that several primitives read is finished once per row.
   static constexpr int kMaxStaged = 5;
@@ -459,6 +466,7 @@ CODA_HD bool in_rows(const Frag& f, const RowCtx& ctx) { return f.interior || f.
 
 struct NoTiles {
   static constexpr int kTileInputs = 0;
+  static constexpr int kColumnBytes = 0;  // bytes per output column of the column vectors it reads
   void collect_tiles(TileSource*) const {}
 };
 
@@ -472,6 +480,7 @@ struct Ones : NoTiles {
 // GPU: asks L1 for the lines of a column vector that the N tile's epilogue will read, as the tile's rows
 // begin (under the first MMAs): the epilogue's loads then hit L1 instead of waiting on L2 (those waits
 // were a third of the LM head's epilogue stalls, ncu). One 128-byte line per thread of the warpgroup.
+// For configurations without room to stage the vector in shared memory (copy_columns).
 template <class T>
 CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
 #if defined(__CUDA_ARCH__)
@@ -483,12 +492,90 @@ CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
 #endif
 }
 
+#if defined(__CUDA_ARCH__)
+// GPU: copies the N tile's entries of a column vector into shared memory at ctx.column_stage (one pair of
+// entries per thread of the warpgroup and round), as the tile's rows begin: on the ping-pong tiles that
+// is under the other consumer's mainloop, and the epilogue reads the copy at shared-memory latency. With
+// the L1 prefetch above, the loads of c and b' still waited on L2 in 13% of the gpt2 LM head's stall
+// samples (ncu, ping-pong 64x256): L1 is what the 200+ KB of shared memory leave of 256 KB. The first
+// chunk's named barrier orders the copy before every read; the last chunk's, every read of a tile before
+// the next tile's copy. Returns the shared address of the vector's entry 0 (its tile's entries at their
+// own columns).
+template <class T>
+__device__ __forceinline__ uint32_t copy_columns(const T* vec, const RowCtx& ctx) {
+  using Pair = std::conditional_t<sizeof(T) == 4, uint2, uint32_t>;  // two entries
+  const int first = ctx.n0 * ctx.expand / ctx.stride;
+  const int end = min(ctx.n0 + ctx.tile_cols, ctx.N) * ctx.expand / ctx.stride;
+  const int cols = ctx.tile_cols * ctx.expand / ctx.stride;  // a constant of the GEMM: a constant trip count
+  T* dst = reinterpret_cast<T*>(ctx.column_stage);
+  for (int i = 2 * static_cast<int>(threadIdx.x % 128); i < cols; i += 256) {
+    if (first + i + 1 < end)
+      *reinterpret_cast<Pair*>(dst + i) = __ldg(reinterpret_cast<const Pair*>(vec + first + i));
+    else if (first + i < end)  // an odd end (a vector read after a 2 -> 1 map)
+      dst[i] = vec[first + i];
+  }
+  return static_cast<uint32_t>(__cvta_generic_to_shared(dst)) - first * static_cast<uint32_t>(sizeof(T));
+}
+
+// n (1, 2 or 4) entries of a staged column vector at shared address `addr`.
+__device__ __forceinline__ void load_staged(uint32_t addr, int n, float* x) {
+  if (n == 4)
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr));
+  else if (n == 2)
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x[0]), "=f"(x[1]) : "r"(addr));
+  else
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x[0]) : "r"(addr));
+}
+__device__ __forceinline__ void load_staged_bf16(uint32_t addr, int n, float* x) {
+  uint32_t w[2];
+  if (n == 4)
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+  else if (n == 2)
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"(addr));
+  else
+    asm volatile("{ .reg .b16 h; ld.shared.b16 h, [%1]; cvt.u32.u16 %0, h; }" : "=r"(w[0]) : "r"(addr));
+  unpack_bf16(w, n, x);
+}
+#endif
+
+// A column vector (fp32 weight-derived vectors, bf16 parameters) at the fragment's output columns. On
+// the GPU it is staged in shared memory per tile where the configuration has room (Frag::columns_staged),
+// else read from global memory after an L1 prefetch.
 template <class T>
 struct ColVectorOf : NoTiles {
+  static constexpr int kColumnBytes = sizeof(T);
   const T* vec;
+  uint32_t stage = 0;  // GPU, staged: shared address of entry 0
+  // GPU, staged: the entries of the group's slot-0 fragment, which its slot-1 fragment (the same columns,
+  // visited next) reuses: the shared loads are volatile asm (kept below the chunk's barrier), so the
+  // compiler does not merge the two, as it does the global ones.
+  mutable float group_entries[Frag::kMaxWidth] = {};
   CODA_HD ColVectorOf(const T* v) : vec(v) {}
-  CODA_HD void begin_rows(const RowCtx& ctx) { prefetch_columns(vec, ctx); }
-  CODA_HD void load(const Frag& f, const RowCtx& ctx, float* x) const { load_values(vec + input_col(f, ctx), f.width, x); }
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+#if defined(__CUDA_ARCH__)
+    if (ctx.column_stage != nullptr) {
+      stage = copy_columns(vec, ctx);
+      return;
+    }
+#endif
+    prefetch_columns(vec, ctx);
+  }
+  CODA_HD void load(const Frag& f, const RowCtx& ctx, float* x) const {
+#if defined(__CUDA_ARCH__)
+    if (f.columns_staged) {
+      if (f.slot == 0) {
+        const uint32_t addr = stage + static_cast<uint32_t>(input_col(f, ctx) * sizeof(T));
+        if constexpr (sizeof(T) == 4)
+          load_staged(addr, f.width, group_entries);
+        else
+          load_staged_bf16(addr, f.width, group_entries);
+      }
+      CODA_FOR_VALUES(i, f) x[i] = group_entries[i];
+      return;
+    }
+#endif
+    load_values(vec + input_col(f, ctx), f.width, x);
+  }
 };
 using ColVector = ColVectorOf<float>;
 
@@ -537,6 +624,7 @@ struct RowVector : RowOf<Loaded> {
 template <int kSlot>
 struct TileOf {
   static constexpr int kTileInputs = kSlot + 1;
+  static constexpr int kColumnBytes = 0;
   const __nv_bfloat16* src;
   int ld;
   void collect_tiles(TileSource* sources) const { add_tile_source(sources, kSlot, src, ld); }
@@ -554,6 +642,8 @@ constexpr int max_of(int a, int b) { return a > b ? a : b; }
 template <class A, class B>
 struct Difference {
   static constexpr int kTileInputs = max_of(A::kTileInputs, B::kTileInputs);
+  static_assert(A::kColumnBytes == 0 || B::kColumnBytes == 0, "a primitive reads at most one column vector (the stage RowCtx::column_stage gives it)");
+  static constexpr int kColumnBytes = A::kColumnBytes + B::kColumnBytes;
   A a;
   B b;
   CODA_HD Difference(const A& a_, const B& b_) : a(a_), b(b_) {}
@@ -619,6 +709,7 @@ struct RowStage : Primitive {
 template <class Op, class X = RowVector>
 struct RowBroadcast : Primitive {
   static constexpr int kTileInputs = X::kTileInputs;
+  static constexpr int kColumnBytes = X::kColumnBytes;
   X x;
   template <class V>
   CODA_HD explicit RowBroadcast(const V& v) : x(v) {}
@@ -635,6 +726,7 @@ struct RowBroadcast : Primitive {
 // vectors: T = float).
 template <class Op, class T = float>
 struct ColBroadcast : Primitive {
+  static constexpr int kColumnBytes = ColVectorOf<T>::kColumnBytes;
   ColVectorOf<T> vec;
   CODA_HD explicit ColBroadcast(const T* v) : vec(v) {}
   CODA_HD void begin_rows(const RowCtx& ctx) { vec.begin_rows(ctx); }
@@ -958,6 +1050,8 @@ struct RowReduce : Primitive {
 template <class X, class A = RowVector>
 struct SubScaled : Primitive {
   static constexpr int kTileInputs = max_of(X::kTileInputs, A::kTileInputs);
+  static_assert(X::kColumnBytes == 0 || A::kColumnBytes == 0, "a primitive reads at most one column vector (the stage RowCtx::column_stage gives it)");
+  static constexpr int kColumnBytes = X::kColumnBytes + A::kColumnBytes;
   A alpha;
   X x;
   template <class AV>
@@ -983,6 +1077,7 @@ struct SubScaled : Primitive {
 template <class X>
 struct RowDot : RowReduce<Sum> {
   static constexpr int kTileInputs = X::kTileInputs;
+  static constexpr int kColumnBytes = X::kColumnBytes;
   X x;
   CODA_HD RowDot(const X& x_, float* o) : RowReduce<Sum>(o), x(x_) {}
   void collect_tiles(TileSource* sources) const { x.collect_tiles(sources); }
@@ -1012,6 +1107,7 @@ struct ColDot : Primitive {
   static constexpr bool kBatchesGroups = true;
   static constexpr int kRows = 16;
   static constexpr int kTileInputs = X::kTileInputs;
+  static constexpr int kColumnBytes = X::kColumnBytes;
   X x;
   float* out;
   int ld;
@@ -1109,6 +1205,7 @@ struct Program;
 template <>
 struct Program<> : Primitive {
   static constexpr int kLength = 0;
+  static constexpr int column_bytes(int = 1, int = 1) { return 0; }
   CODA_HD int acc_column_end(int = 1, int = 1) const { return kNoColumnEnd; }
 };
 
@@ -1120,6 +1217,13 @@ struct Program<P, Rest...> {
   static constexpr int kTileInputs = max_of(P::kTileInputs, Program<Rest...>::kTileInputs);
   static constexpr bool kBatchesGroups = P::kBatchesGroups || Program<Rest...>::kBatchesGroups;
   static_assert(kTileInputs <= kMaxTileInputs, "a program reads at most kMaxTileInputs tile inputs");
+  // Bytes per accumulator column of the program's column vectors (the GPU stages an N tile's entries of
+  // each in shared memory where the GEMM's configuration has room: RowCtx::column_stage); expand / stride:
+  // output columns per accumulator column where the head stands.
+  static constexpr int column_bytes(int expand = 1, int stride = 1) {
+    return P::kColumnBytes * expand / stride +
+           Program<Rest...>::column_bytes(expand * P::kOutsPerCol, stride * P::kColsPerOut);
+  }
   P head;
   Program<Rest...> tail;
   Program() = default;
@@ -1140,6 +1244,7 @@ struct Program<P, Rest...> {
     RowCtx next = ctx;
     head.stage_rows(next);
     head.begin_rows(next);
+    if (next.column_stage != nullptr) next.column_stage += P::kColumnBytes * next.tile_cols * next.expand / next.stride;
     next.expand *= P::kOutsPerCol;
     next.stride *= P::kColsPerOut;
     tail.begin_rows(next);

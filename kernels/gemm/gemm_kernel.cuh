@@ -68,7 +68,8 @@ struct Params {
   int accumulate;      // 1: D += result (TMA reduce-add); 0: D = result
 };
 
-template <int kBM_, int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_>
+template <int kBM_, int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_,
+          int kColumnBytes_>
 struct Config {
   using OutT = OutT_;
   static constexpr int kBM = kBM_, kBN = kBN_, kBK = 64;  // kBK * 2 B = one 128-byte swizzle row
@@ -98,7 +99,17 @@ struct Config {
   static constexpr int kInputBarriers = kInputInStaging ? 2 : kInputBuffers;                // per consumer
   static constexpr int kInputBytes = 2 * kInputBuffers * kTileInputs * kBlockBytes;
   static constexpr int kStages = stages_with(kInputBuffers);
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + kBarrierBytes;
+  // The program's column vectors (Program::column_bytes per accumulator column) are copied per tile into
+  // shared memory where that costs no ring stage (epilogue.cuh, copy_columns): on the ping-pong 64x256
+  // tile (34 KB left beside its four stages), and for the bf16 vectors of the narrow programs on ping-pong
+  // 128x128 (1.75 KB left); the cooperative tile has 1.75 KB left and its LayerNorm programs need 4 KB.
+  static constexpr int kColumnStageBytes = kColumnBytes_ * kBN;  // per consumer
+  static constexpr bool kColumnStaging =
+      kColumnStageBytes > 0 &&
+      1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + 2 * kColumnStageBytes + kBarrierBytes <= kSmemLimit;
+  static constexpr int kColumnBytes = kColumnStaging ? 2 * kColumnStageBytes : 0;
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + kColumnBytes + kBarrierBytes;
   static constexpr int kSubs = kPingPong ? kBM / 64 : 1;     // m64 sub-blocks per consumer and tile
   static constexpr int kAcc = kBN / 2;                       // fp32 accumulators per thread and sub-block
   static constexpr int kEmptyArrivals = kPingPong ? 4 : 8;   // lane 0 of each consuming warp
@@ -222,8 +233,8 @@ struct TileMaps {
 template <class Cfg, class Program>
 __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d, const TileMaps& tile_maps,
                                         const Params& p, const Program& program, uint8_t* ring, uint8_t* staging,
-                                        uint8_t* inputs, uint64_t* full, uint64_t* empty, uint64_t* turn,
-                                        uint64_t* input_full) {
+                                        uint8_t* inputs, uint8_t* columns, uint64_t* full, uint64_t* empty,
+                                        uint64_t* turn, uint64_t* input_full) {
   using OutT = typename Cfg::OutT;
   // Output columns per accumulator column: kExpand / kRatio (1, 1/2 after a 2->1 map, 2 after a 1->2 map).
   constexpr int kRatio = Program::kColsPerOut;
@@ -318,6 +329,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       epi::RowCtx c{{m_block + r0, m_block + r0 + 8}, 2, n0, u.n_tile, p.tiles_n, p.M, p.N};
       c.tile_cols = Cfg::kBN;
       c.lane_col = 2 * (lane & 3);
+      c.column_stage = Cfg::kColumnStaging ? columns + cw * Cfg::kColumnStageBytes : nullptr;
       return c;
     };
     const epi::RowCtx ctx0 = block_ctx(0), ctx1 = block_ctx(1);
@@ -421,7 +433,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
             for (int h = 0; h < 2; ++h) {
               const int i = (kRolled ? 0 : c * kChunkAcc) + 4 * g + 2 * h;  // a constant either way
               epi::Frag f{h, m_block + r0 + 8 * h, col, 2, 1, {a[i], a[i + 1]},
-                          1, g, decltype(interior)::value, Cfg::kSubs == 1 ? kChunkGroups : 0};
+                          1, g, decltype(interior)::value, Cfg::kSubs == 1 ? kChunkGroups : 0, Cfg::kColumnStaging};
               prog.visit(f, chunk_ctx);
               // The fragment's output column inside the chunk, written from the constant g and the lane
               // (not as col - n0: the compiler kept that a run-time subtraction and recomputed the swizzle
@@ -479,7 +491,8 @@ __global__ void __launch_bounds__(384, 1)
   uint8_t* ring = smem;
   uint8_t* staging = ring + Cfg::kStages * Cfg::kStageBytes;
   uint8_t* inputs = staging + Cfg::kStagingBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(inputs + Cfg::kInputBytes);
+  uint8_t* columns = inputs + Cfg::kInputBytes;  // [consumer][kColumnStageBytes] where staged
+  uint64_t* full = reinterpret_cast<uint64_t*>(columns + Cfg::kColumnBytes);
   uint64_t* empty = full + Cfg::kStages;
   uint64_t* turn = empty + Cfg::kStages;
   uint64_t* input_full = turn + 2;  // [consumer][input buffer]
@@ -506,8 +519,8 @@ __global__ void __launch_bounds__(384, 1)
     if (t == 0) produce<Cfg>(&map_a, &map_b, p, ring, full, empty);
   } else {
     sm90::regs_claim<232>();
-    consume<Cfg>(warpgroup - 1, t, &map_d, tile_maps, p, program, ring, staging, inputs, full, empty, turn,
-                 input_full);
+    consume<Cfg>(warpgroup - 1, t, &map_d, tile_maps, p, program, ring, staging, inputs, columns, full, empty,
+                 turn, input_full);
   }
 }
 

@@ -77,13 +77,13 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   program.collect_tiles(sources);
   const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,
                            A, B, M, N, K, accumulate, is_identity<Program>, sources, Program::kTileInputs, stream);
-  constexpr int kInputs = Program::kTileInputs;
+  constexpr int kInputs = Program::kTileInputs, kColumnBytes = Program::column_bytes();
   if (tile == GemmTile::Cooperative128x256)
-    launch<Config<128, 256, false, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
+    launch<Config<128, 256, false, kAKMajor, kBKMajor, OutT, kInputs, kColumnBytes>>(l, program, stream);
   else if (tile == GemmTile::PingPong64x256)
-    launch<Config<64, 256, true, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
+    launch<Config<64, 256, true, kAKMajor, kBKMajor, OutT, kInputs, kColumnBytes>>(l, program, stream);
   else
-    launch<Config<128, 128, true, kAKMajor, kBKMajor, OutT, kInputs>>(l, program, stream);
+    launch<Config<128, 128, true, kAKMajor, kBKMajor, OutT, kInputs, kColumnBytes>>(l, program, stream);
 }
 
 }  // namespace coda
