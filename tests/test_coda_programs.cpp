@@ -522,7 +522,7 @@ TEST(CodaGpt2, MlpBackwardChainWeightGradientRankOneCorrectionAndLayerNormBackwa
   EXPECT_CLOSE(got.residual_colsum, expect.residual_colsum, kBf16Tol);
 }
 
-// The tile rule of the programs (gemm_choose_tile; gemm_epilogue_of maps a program with two tile inputs
+// The tile rule of the programs and the weight gradients (gemm_choose_tile; gemm_epilogue_of maps a program with two tile inputs
 // to GemmEpilogue::TwoTileInputs): the two-input LayerNorm backward and the long-K dgrads stay on the
 // cooperative tile, the narrow forward programs on ping-pong 128x128, the others go to ping-pong 64x256.
 TEST(CodaTiles, ProgramsTakeTheTileOfTheirShapeAndTileInputs) {
@@ -540,6 +540,10 @@ TEST(CodaTiles, ProgramsTakeTheTileOfTheirShapeAndTileInputs) {
   EXPECT_EQ(pick(GemmLayout::Forward, 16384, 2048, 8192, GemmEpilogue::Program), GemmTile::Cooperative128x256);
   EXPECT_EQ(pick(GemmLayout::Forward, 32768, 50304, 768, GemmEpilogue::Program), GemmTile::PingPong64x256);
   EXPECT_EQ(pick(GemmLayout::Forward, 32768, 3072, 768, GemmEpilogue::Bare), GemmTile::PingPong128x128);
+  // Weight gradients: ping-pong 128x128 for outputs under 2048 x 2048, cooperative from there on.
+  EXPECT_EQ(pick(GemmLayout::Wgrad, 768, 3072, 32768, GemmEpilogue::Bare), GemmTile::PingPong128x128);
+  EXPECT_EQ(pick(GemmLayout::Wgrad, 2048, 2048, 16384, GemmEpilogue::Bare), GemmTile::Cooperative128x256);
+  EXPECT_EQ(pick(GemmLayout::Wgrad, 50304, 768, 32768, GemmEpilogue::Bare), GemmTile::Cooperative128x256);
   // Both tiles a program may take besides the narrow one have the same N width: the same row partials.
   EXPECT_EQ(gemm_tile_n(GemmTile::Cooperative128x256), gemm_tile_n(GemmTile::PingPong64x256));
 }
