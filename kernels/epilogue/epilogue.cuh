@@ -44,6 +44,10 @@
 #include <type_traits>
 
 #if defined(__CUDACC__)
+#include "kernels/sm90/sm90.cuh"
+#endif
+
+#if defined(__CUDACC__)
 #define CODA_HD __host__ __device__ __forceinline__
 #else
 #define CODA_HD inline
@@ -495,7 +499,9 @@ CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
 #if defined(__CUDA_ARCH__)
 // GPU: copies the N tile's entries of a column vector into shared memory at ctx.column_stage (one pair of
 // entries per thread of the warpgroup and round), as the tile's rows begin: on the ping-pong tiles that
-// is under the other consumer's mainloop, and the epilogue reads the copy at shared-memory latency. With
+// is under the other consumer's mainloop, and the epilogue reads the copy at shared-memory latency. The
+// copies are asynchronous (cp.async: the thread goes on to its turn without waiting for the loads; the
+// GEMM waits for them before the tile's first chunk, gemm_kernel.cuh). With
 // the L1 prefetch above, the loads of c and b' still waited on L2 in 13% of the gpt2 LM head's stall
 // samples (ncu, ping-pong 64x256): L1 is what the 200+ KB of shared memory leave of 256 KB. The first
 // chunk's named barrier orders the copy before every read; the last chunk's, every read of a tile before
@@ -503,14 +509,13 @@ CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
 // own columns).
 template <class T>
 __device__ __forceinline__ uint32_t copy_columns(const T* vec, const RowCtx& ctx) {
-  using Pair = std::conditional_t<sizeof(T) == 4, uint2, uint32_t>;  // two entries
   const int first = ctx.n0 * ctx.expand / ctx.stride;
   const int end = min(ctx.n0 + ctx.tile_cols, ctx.N) * ctx.expand / ctx.stride;
   const int cols = ctx.tile_cols * ctx.expand / ctx.stride;  // a constant of the GEMM: a constant trip count
   T* dst = reinterpret_cast<T*>(ctx.column_stage);
   for (int i = 2 * static_cast<int>(threadIdx.x % 128); i < cols; i += 256) {
     if (first + i + 1 < end)
-      *reinterpret_cast<Pair*>(dst + i) = __ldg(reinterpret_cast<const Pair*>(vec + first + i));
+      sm90::cp_async<2 * sizeof(T)>(dst + i, vec + first + i);
     else if (first + i < end)  // an odd end (a vector read after a 2 -> 1 map)
       dst[i] = vec[first + i];
   }

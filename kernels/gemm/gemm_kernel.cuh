@@ -383,6 +383,9 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     if (lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
 #pragma unroll
     for (int s = 0; s < Cfg::kSubs; ++s) sm90::fence_registers(acc[s]);
+    // The tile's column-vector copies (cp.async in begin_rows, epilogue.cuh copy_columns) have landed;
+    // the first chunk's barrier makes them visible to the whole consumer.
+    if constexpr (Cfg::kColumnStaging) sm90::cp_async_wait_all();
 
     // ---- epilogue ----
     // One 64-row block: its program copy, its rows, its accumulators (separate variables per block, not

@@ -142,6 +142,14 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
+// A global -> shared copy of kBytes (4, 8 or 16) that the thread does not wait for (LDGSTS); it waits for
+// all of its copies with cp_async_wait_all (not for bulk groups: those have their own waits).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_u32(dst)), "l"(src), "n"(kBytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // Wait until at most N bulk groups of this thread are still in flight (writes done).
 template <int N>
 __device__ __forceinline__ void bulk_wait() {
