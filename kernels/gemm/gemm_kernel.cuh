@@ -99,18 +99,20 @@ struct Config {
   static constexpr int kInputBarriers = kInputInStaging ? 2 : kInputBuffers;                // per consumer
   static constexpr int kInputBytes = 2 * kInputBuffers * kTileInputs * kBlockBytes;
   static constexpr int kStages = stages_with(kInputBuffers);
+  static constexpr int kSubs = kPingPong ? kBM / 64 : 1;     // m64 sub-blocks per consumer and tile
   // The program's column vectors (Program::column_bytes per accumulator column) are copied per tile into
   // shared memory where that costs no ring stage (epilogue.cuh, copy_columns): on the ping-pong 64x256
-  // tile (34 KB left beside its four stages), and for the bf16 vectors of the narrow programs on ping-pong
-  // 128x128 (1.75 KB left); the cooperative tile has 1.75 KB left and its LayerNorm programs need 4 KB.
+  // tile (34 KB left beside its four stages), and on the cooperative tile for bf16 vectors (1.75 KB left:
+  // the LayerNorm programs' fp32 c and b' need 4 KB). Not on ping-pong 128x128, whose two 64-row blocks
+  // have a program copy each: both would copy the same entries, two unordered asynchronous writes to the
+  // same bytes (compute-sanitizer racecheck).
   static constexpr int kColumnStageBytes = kColumnBytes_ * kBN;  // per consumer
   static constexpr bool kColumnStaging =
-      kColumnStageBytes > 0 &&
+      kColumnStageBytes > 0 && kSubs == 1 &&
       1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + 2 * kColumnStageBytes + kBarrierBytes <= kSmemLimit;
   static constexpr int kColumnBytes = kColumnStaging ? 2 * kColumnStageBytes : 0;
   static constexpr int kSmemBytes =
       1024 + kStages * kStageBytes + kStagingBytes + kInputBytes + kColumnBytes + kBarrierBytes;
-  static constexpr int kSubs = kPingPong ? kBM / 64 : 1;     // m64 sub-blocks per consumer and tile
   static constexpr int kAcc = kBN / 2;                       // fp32 accumulators per thread and sub-block
   static constexpr int kEmptyArrivals = kPingPong ? 4 : 8;   // lane 0 of each consuming warp
   static constexpr int kTurnArrivals = 4;                    // lane 0 of each warp of the other consumer
