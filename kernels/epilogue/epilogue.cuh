@@ -501,9 +501,9 @@ CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
 // entries per thread of the warpgroup and round), as the tile's rows begin: on the ping-pong tiles that
 // is under the other consumer's mainloop, and the epilogue reads the copy at shared-memory latency. The
 // copies are asynchronous (cp.async: the thread goes on to its turn without waiting for the loads; the
-// GEMM waits for them before the tile's first chunk, gemm_kernel.cuh). With
-// the L1 prefetch above, the loads of c and b' still waited on L2 in 13% of the gpt2 LM head's stall
-// samples (ncu, ping-pong 64x256): L1 is what the 200+ KB of shared memory leave of 256 KB. The first
+// GEMM waits for them before the tile's first chunk, gemm_kernel.cuh). With the L1 prefetch above, the
+// loads of c and b' still waited on L2 in 13% of the gpt2 LM head's stall samples (ncu, ping-pong
+// 64x256): L1 is what the 200+ KB of shared memory leave of 256 KB. The first
 // chunk's named barrier orders the copy before every read; the last chunk's, every read of a tile before
 // the next tile's copy. Returns the shared address of the vector's entry 0 (its tile's entries at their
 // own columns).
