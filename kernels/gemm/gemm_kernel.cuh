@@ -101,11 +101,12 @@ struct Config {
   static constexpr int kStages = stages_with(kInputBuffers);
   static constexpr int kSubs = kPingPong ? kBM / 64 : 1;     // m64 sub-blocks per consumer and tile
   // The program's column vectors (Program::column_bytes per accumulator column) are copied per tile into
-  // shared memory where that costs no ring stage (epilogue.cuh, copy_columns): on the ping-pong 64x256
-  // tile (34 KB left beside its four stages), and on the cooperative tile where they take at most the 1.75
-  // KB it has left (one bf16 vector; the LayerNorm programs' fp32 c and b' need 4 KB). Not on ping-pong 128x128, whose two 64-row blocks
-  // have a program copy each: both would copy the same entries, two unordered asynchronous writes to the
-  // same bytes (compute-sanitizer racecheck).
+  // shared memory where that costs no ring stage (epilogue.cuh, copy_columns), one copy per consumer (a
+  // consumer synchronizes only its own threads): on the ping-pong 64x256 tile (34 KB left beside its four
+  // stages), and on the cooperative tile where the two copies take at most the 1.75 KB it has left (one
+  // bf16 vector; the LayerNorm programs' fp32 c and b' need 4 KB). Not on ping-pong 128x128, whose two
+  // 64-row blocks have a program copy each: both would copy the same entries, two unordered asynchronous
+  // writes to the same bytes (compute-sanitizer racecheck).
   static constexpr int kColumnStageBytes = kColumnBytes_ * kBN;  // per consumer
   static constexpr bool kColumnStaging =
       kColumnStageBytes > 0 && kSubs == 1 &&
