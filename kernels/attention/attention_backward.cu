@@ -36,16 +36,17 @@
 // kernels/coda/fused.cuh) replaces the dQ conversion by a per-row pass that finishes whole packed rows of
 // dqkv: one block = one group of kGroupRows consecutive token rows (the column-partial group), its threads
 // over 8-column chunks of the row, each chunk walked down the group's rows in batches of kBatchRows rows
-// whose loads are issued together (it is a streaming pass of ~15 bytes per element; one row's loads at a
-// time per thread left it at a third of the memory bandwidth). Per element: dz = scale * dQ
-// accumulator (q columns) or dk, dv as the main kernel stored them (bf16, read back in place); the row
-// dot <dz, z> against the stored qkv (taken BEFORE the inverse rotation: the rotation is orthogonal, so
-// <R^T g, R^T z> = <g, z> with no need to rotate z); the inverse RoPE rotation of the q and k pairs (the
-// forward's angle math, epilogue.cuh); the LayerNorm dots <dz, c>, <dz, b'> and the column partials
-// (sum dz, sum r mu dz) kept per thread over the group's rows, so each group's partial row is written once
-// without atomics; finally dqkv = r dz in bf16. Row dots are summed per thread over its chunk, per batch
-// over the warp (a reduce-scatter of shuffles, about one per value), then over the warps' sums in shared
-// memory in a fixed order: deterministic, count 1.
+// whose loads are issued together (a streaming pass; one row's loads at a time per thread left it at a
+// third of the memory bandwidth). Per element: dz = scale * dQ accumulator (q columns) or dk, dv as the
+// main kernel stored them (bf16, read back in place); for q columns the row dot <dz, z> against the stored
+// q (the k and v columns' part the main kernel took from the K and V tiles it still held: kv_dots, added
+// here, so the pass reads no k or v of qkv; both taken BEFORE the inverse rotation: the rotation is
+// orthogonal, so <R^T g, R^T z> = <g, z> with no need to rotate z); the inverse RoPE rotation of the q and
+// k pairs (the forward's angle math, epilogue.cuh); the LayerNorm dots <dz, c>, <dz, b'> and the column
+// partials (sum dz, sum r mu dz) kept per thread over the group's rows, so each group's partial row is
+// written once without atomics; finally dqkv = r dz in bf16. Row dots are summed per thread over its
+// chunk, per batch over the warp (a reduce-scatter of shuffles, about one per value), then over the warps'
+// sums in shared memory and the row's kv_dots, in a fixed order: deterministic, count 1.
 //
 // Tails: qkv and dout are described to TMA as 3-D tensors [B][T][cols], so rows past T of a sequence are
 // zero-filled. Zero keys past T are masked by causality for every real query, and their dK, dV rows are
@@ -189,9 +190,9 @@ __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kStepQ / 16][4], co
 template <int HD, int kStepQ>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
-                              const __grid_constant__ CUtensorMap dq_map, bf16* dqkv, const float* lse2,
-                              const float* dsum, int T, int T_pad, int n_head, int n_kv_head, float scale_log2,
-                              int group_pairs) {
+                              const __grid_constant__ CUtensorMap dq_map, bf16* dqkv, float* kv_dots,
+                              const float* lse2, const float* dsum, int T, int T_pad, int n_head, int n_kv_head,
+                              float scale_log2, int group_pairs) {
   using L = Layout<HD, kStepQ>;
   constexpr int S = L::kStages;
   extern __shared__ unsigned char smem_raw[];
@@ -370,17 +371,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::fence_registers(dv);
 
   // dK (times scale) and dV as bf16 into this warp's rows of the K and V tiles, then 16-byte stores of the
-  // rows below T. The other warpgroup may still read K for dQ: wait until both are done.
+  // rows below T. The other warpgroup may still read K for dQ: wait until both are done. With a CODA
+  // write-out (kv_dots), each thread first reads the k and v values it overwrites (the stored, rotated
+  // ones) for its two key rows' <dz, z> over this kv head's columns, dz = dk * scale and dv; summed over
+  // the row's quad, they go to kv_dots [B*T][n_kv_head], which the write-out adds to the q columns' part
+  // (so it reads no k or v of qkv).
   sm90::named_barrier(1, 256);
   const float scale = scale_log2 / kLog2e;
   const int tile_row = c * kKeysPerWg + warp * 16 + g;
+  float kv_dot[2] = {0.f, 0.f};  // rows tile_row, tile_row + 8
 #pragma unroll
   for (int i = 0; i < HD / 2; i += 2) {
     const int row = tile_row + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t;
-    *reinterpret_cast<uint32_t*>(smem + L::kK + box_offset(kBlockKeys, row, col)) =
-        pack_bf16(dk[i] * scale, dk[i + 1] * scale);
-    *reinterpret_cast<uint32_t*>(smem + L::kV + box_offset(kBlockKeys, row, col)) = pack_bf16(dv[i], dv[i + 1]);
+    uint32_t* k_at = reinterpret_cast<uint32_t*>(smem + L::kK + box_offset(kBlockKeys, row, col));
+    uint32_t* v_at = reinterpret_cast<uint32_t*>(smem + L::kV + box_offset(kBlockKeys, row, col));
+    const float dk0 = dk[i] * scale, dk1 = dk[i + 1] * scale;
+    if (kv_dots != nullptr) {
+      const float2 kz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(k_at));
+      const float2 vz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_at));
+      kv_dot[(i >> 1) & 1] += dk0 * kz.x + dk1 * kz.y + dv[i] * vz.x + dv[i + 1] * vz.y;
+    }
+    *k_at = pack_bf16(dk0, dk1);
+    *v_at = pack_bf16(dv[i], dv[i + 1]);
   }
+  if (kv_dots != nullptr)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float dot = kv_dot[half];
+      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+      const int key = key0 + warp * 16 + g + 8 * half;
+      if (t == 0 && key < T) kv_dots[(static_cast<size_t>(b) * T + key) * n_kv_head + kvh] = dot;
+    }
   __syncwarp();
   const size_t qkv_dim = static_cast<size_t>(n_head + 2 * n_kv_head) * HD;
   bf16* dk_dst = dqkv + static_cast<size_t>(b) * T * qkv_dim + static_cast<size_t>(n_head + kvh) * HD;
@@ -448,7 +470,8 @@ __device__ __forceinline__ float warp_sum_scattered(float (&v)[kValues], int lan
 template <int HD, int kDots>
 __global__ void __launch_bounds__(kWriteoutMaxThreads)
     attention_backward_writeout_kernel(bf16* __restrict__ dqkv, const float* __restrict__ dq_accum,
-                                       const bf16* __restrict__ qkv, const AttentionWriteout w, int N, int T,
+                                       const bf16* __restrict__ qkv, const float* __restrict__ kv_dots,
+                                       const AttentionWriteout w, int N, int T,
                                        int n_head, int n_kv_head, float scale, int rot_cols, float log2_freq_step) {
   constexpr int kDotSlots = kDots == 3 ? 4 : 1;            // per row, a power of two
   constexpr int kBatchValues = kBatchRows * kDotSlots;     // dot values per thread and batch
@@ -490,17 +513,19 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     float col_a[8] = {}, col_b[8] = {};
 #pragma unroll 1
     for (int r0 = 0; r0 < kGroupRows; r0 += kBatchRows) {
-      // The batch's loads: dz (the scaled dQ accumulator, or dk / dv as the main kernel stored them) and z.
-      float dz[kBatchRows][8], z[kBatchRows][8];
-      uint4 raw_dz[kBatchRows], raw_z[kBatchRows];
+      // The batch's loads: q columns, dz (the scaled dQ accumulator) and z (the stored q); k and v columns,
+      // dz only (dk / dv as the main kernel stored them; their <dz, z> came from the main kernel, kv_dots).
+      float dz[kBatchRows][8];
+      uint4 raw[kBatchRows];  // z of a q column, dz of a k or v column
 #pragma unroll
       for (int r = 0; r < kBatchRows; ++r) {
         const int row = min(row0 + r0 + r, N - 1), b = row / T, t = row % T;
-        if (from_dq)
+        if (from_dq) {
           unfused::load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
-        else
-          raw_dz[r] = *reinterpret_cast<const uint4*>(dqkv + static_cast<size_t>(row) * qkv_dim + col);
-        raw_z[r] = __ldg(reinterpret_cast<const uint4*>(qkv + static_cast<size_t>(row) * qkv_dim + col));
+          raw[r] = __ldg(reinterpret_cast<const uint4*>(qkv + static_cast<size_t>(row) * qkv_dim + col));
+        } else {
+          raw[r] = *reinterpret_cast<const uint4*>(dqkv + static_cast<size_t>(row) * qkv_dim + col);
+        }
       }
       if (pass == 0 && r0 == 0) __syncthreads();  // s_rstd, s_rstd_mean and the zeroed s_dots are ready
       float dots[kBatchValues] = {};
@@ -509,16 +534,18 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
         const int row = row0 + r0 + r, t = row % T;
         const bool valid = active && row < N;
         if (from_dq) {
+          float z[8];
+          unfused::unpack_bf16x8(z, raw[r]);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) dz[r][i] *= valid ? scale : 0.f;
+          for (int i = 0; i < 8; ++i) {
+            dz[r][i] *= valid ? scale : 0.f;
+            dots[r * kDotSlots] += dz[r][i] * z[i];
+          }
         } else {
-          unfused::unpack_bf16x8(dz[r], raw_dz[r]);
+          unfused::unpack_bf16x8(dz[r], raw[r]);
 #pragma unroll
           for (int i = 0; i < 8; ++i) dz[r][i] = valid ? dz[r][i] : 0.f;
         }
-        unfused::unpack_bf16x8(z[r], raw_z[r]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dots[r * kDotSlots] += dz[r][i] * z[r][i];
         if (rotate) {
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
@@ -562,7 +589,10 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     const int r = i / kDots, k = i % kDots, row = row0 + r;
     float sum = 0.f;
     for (int wp = 0; wp < static_cast<int>(blockDim.x / 32); ++wp) sum += s_dots[wp][r * kDotSlots + k];
-    if (row < N) (k == 0 ? w.dot_z : k == 1 ? w.dot_c : w.dot_b)[row] = sum;
+    if (row >= N) continue;
+    if (k == 0)
+      for (int kvh = 0; kvh < n_kv_head; ++kvh) sum += kv_dots[static_cast<size_t>(row) * n_kv_head + kvh];
+    (k == 0 ? w.dot_z : k == 1 ? w.dot_c : w.dot_b)[row] = sum;
   }
 }
 
@@ -588,8 +618,8 @@ void validate_writeout(const AttentionWriteout& w) {
 }
 
 template <int HD>
-void launch_writeout(bf16* dqkv, const float* dq_accum, const bf16* qkv, const AttentionWriteout& w,
-                     const AttentionShape& s, float scale, cudaStream_t stream) {
+void launch_writeout(bf16* dqkv, const float* dq_accum, const bf16* qkv, const float* kv_dots,
+                     const AttentionWriteout& w, const AttentionShape& s, float scale, cudaStream_t stream) {
   // Threads: whole warps that divide the row's chunks evenly where they can (gpt2-124m: 288 chunks, 96
   // threads; llama3.2-1b: 384, 192), so no lane idles; small blocks, so that several fill an SM.
   const int chunks = s.qkv_dim() / 8;
@@ -605,10 +635,10 @@ void launch_writeout(bf16* dqkv, const float* dq_accum, const bf16* qkv, const A
   const float log2_freq_step = rope ? -std::log2(w.rope_theta) / static_cast<float>(HD) : 0.0f;
   if (w.c != nullptr)
     attention_backward_writeout_kernel<HD, 3><<<blocks, threads, 0, stream>>>(
-        dqkv, dq_accum, qkv, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
+        dqkv, dq_accum, qkv, kv_dots, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
   else
     attention_backward_writeout_kernel<HD, 1><<<blocks, threads, 0, stream>>>(
-        dqkv, dq_accum, qkv, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
+        dqkv, dq_accum, qkv, kv_dots, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -628,6 +658,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   float* dq_accum = static_cast<float*>(workspace);
   float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
   float* lse2 = dsum + stat_rows;
+  float* kv_dots = lse2 + stat_rows;  // [B*T][n_kv_head], with a write-out
   attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * 32 + 255) / 256), 256, 0, stream>>>(
       lse2, dsum, dq_accum, dout, out, lse, s.B, s.T, T_pad, s.n_head);
   CUDA_CHECK_LAUNCH();
@@ -643,12 +674,13 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int n_pairs = s.B * s.n_kv_head, n_kblocks = (s.T + kBlockKeys - 1) / kBlockKeys;
   const int group_pairs = Tuning<HD>::kGroupPairs > 0 ? std::min(Tuning<HD>::kGroupPairs, n_pairs) : n_pairs;
-  kernel<<<n_pairs * n_kblocks, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv, lse2, dsum, s.T, T_pad,
-                                                           s.n_head, s.n_kv_head, scale * kLog2e, group_pairs);
+  kernel<<<n_pairs * n_kblocks, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv,
+                                                           writeout != nullptr ? kv_dots : nullptr, lse2, dsum, s.T,
+                                                           T_pad, s.n_head, s.n_kv_head, scale * kLog2e, group_pairs);
   CUDA_CHECK_LAUNCH();
 
   if (writeout != nullptr) {
-    launch_writeout<HD>(dqkv, dq_accum, qkv, *writeout, s, scale, stream);
+    launch_writeout<HD>(dqkv, dq_accum, qkv, kv_dots, *writeout, s, scale, stream);
     return;
   }
   const size_t chunks = static_cast<size_t>(s.B) * s.T * s.n_head * HD / 8;
@@ -661,7 +693,8 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
 
 size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
   validate_attention_shape(shape);
-  return dq_accum_bytes(shape) + 2 * static_cast<size_t>(shape.B) * shape.n_head * padded_T(shape) * sizeof(float);
+  return dq_accum_bytes(shape) + 2 * static_cast<size_t>(shape.B) * shape.n_head * padded_T(shape) * sizeof(float) +
+         static_cast<size_t>(shape.B) * shape.T * shape.n_kv_head * sizeof(float);
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
