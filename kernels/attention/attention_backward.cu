@@ -464,9 +464,10 @@ __device__ __forceinline__ float warp_sum_scattered(float (&v)[kValues], int lan
 
 // One block per group of kGroupRows rows of dqkv [N = B*T, qkv_dim] (header comment); its threads take the
 // row's 8-column chunks in turn, each chunk down the group's rows, kBatchRows rows' loads issued together
-// (the pass streams ~15 bytes per element: enough loads must be in flight). kDots: 1 (<dz, z>) or 3
-// (LayerNorm: also <dz, c>, <dz, b'>), kept per row of a batch and summed over the warp when the batch is
-// done; the warps' sums meet in shared memory. The q and k heads (columns < rot_cols) are inverse-rotated.
+// (a streaming pass: enough loads must be in flight). kDots: 1 (<dz, z>) or 3 (LayerNorm: also <dz, c>,
+// <dz, b'>), kept per row of a batch and summed over the warp when the batch is done; the warps' sums meet
+// in shared memory, and <dz, z> adds the row's k and v part from kv_dots. The q and k heads (columns <
+// rot_cols) are inverse-rotated.
 template <int HD, int kDots>
 __global__ void __launch_bounds__(kWriteoutMaxThreads)
     attention_backward_writeout_kernel(bf16* __restrict__ dqkv, const float* __restrict__ dq_accum,
