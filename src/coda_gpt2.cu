@@ -110,7 +110,7 @@ void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&dot_c_, dots, partials);
   plan.reserve(&dot_b_, dots, partials);
   const size_t grad_cols = std::max({static_cast<size_t>(prog::column_partial_groups(N)) * F,
-                                     static_cast<size_t>(ceil_div(N, attention_writeout_group_rows())) * Q,
+                                     static_cast<size_t>(attention_writeout_groups(attention_shape(max_batch_, max_seq_len_))) * Q,
                                      static_cast<size_t>(ceil_div(N, fused::dlogits_group_rows())) * V});
   plan.reserve(&grad_cols_.col_a, grad_cols, partials);
   plan.reserve(&grad_cols_.col_b, grad_cols, partials);
@@ -259,7 +259,7 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
                      attention_shape(B, T), stream_, &writeout);
   ln_backward(scratch_.d_qkv, p.qkv_w, Q, norm1_stats_[layer], {dot_z_, dot_c_, dot_b_, 1}, a.input, p.norm1_w,
               p.norm1_b, layer > 0 ? layout_.layers[layer - 1].mlp_down_b : kAbsent, N);
-  ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, ceil_div(N, attention_writeout_group_rows()),
+  ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, attention_writeout_groups(attention_shape(B, T)),
                   p.norm1_w, p.norm1_b);
 }
 

@@ -6,7 +6,7 @@
 // contract: the reference gradient g, dz = inverse-RoPE(g) (Llama style) or g (GPT-2 style), dqkv = r dz,
 // the row dots <dz, z> (z = the inverse-rotated stored qkv: the kernel takes the dot before rotating,
 // so this also checks that shortcut), <dz, c>, <dz, b'>, and the column partials over groups of
-// attention_writeout_group_rows() rows; r and mu from random norm partials.
+// 16 positions of one sequence (attention_writeout_groups); r and mu from random norm partials.
 //
 // Every output buffer is poisoned (NaN) before the kernel runs, so an element the kernel fails to write
 // poisons the error norms. Errors are relative Frobenius norms ||gpu - ref|| / ||ref|| (lse: max absolute
@@ -154,7 +154,8 @@ TEST_P(GpuAttentionWriteout, MatchesCpuReference) {
   for (int j = 0; j < QKV; ++j) c_vec[j] = static_cast<float>(rng.normal()), b_vec[j] = static_cast<float>(rng.normal());
 
   // The contract on the host, in fp64.
-  const int group_rows = coda::attention_writeout_group_rows(), groups = (N + group_rows - 1) / group_rows;
+  const int groups_per_seq = (s.T + 15) / 16, groups = coda::attention_writeout_groups(s);
+  ASSERT_EQ(groups, s.B * groups_per_seq);
   std::vector<float> ref_dqkv(dz.size()), ref_dot_z(N), ref_dot_c(N), ref_dot_b(N);
   std::vector<double> col_a_acc(static_cast<size_t>(groups) * QKV, 0.0), col_b_acc(col_a_acc.size(), 0.0);
   for (int row = 0; row < N; ++row) {
@@ -164,8 +165,9 @@ TEST_P(GpuAttentionWriteout, MatchesCpuReference) {
       const double g = dz[at];
       dot_z += g * z[at], dot_c += g * c_vec[j], dot_b += g * b_vec[j];
       ref_dqkv[at] = static_cast<float>(rstd[row] * g);
-      col_b_acc[static_cast<size_t>(row / group_rows) * QKV + j] += g;
-      col_a_acc[static_cast<size_t>(row / group_rows) * QKV + j] += rstd[row] * mean[row] * g;
+      const size_t group = static_cast<size_t>(row / s.T) * groups_per_seq + row % s.T / 16;
+      col_b_acc[group * QKV + j] += g;
+      col_a_acc[group * QKV + j] += rstd[row] * mean[row] * g;
     }
     ref_dot_z[row] = static_cast<float>(dot_z), ref_dot_c[row] = static_cast<float>(dot_c);
     ref_dot_b[row] = static_cast<float>(dot_b);
@@ -219,8 +221,8 @@ TEST_P(GpuAttentionWriteout, MatchesCpuReference) {
   std::printf("\n");
 }
 
-// N = B*T is never a multiple of the 16-row group, groups straddle sequence boundaries, and the last two
-// shapes have more 8-column chunks per row (320, 384) than a block has threads (the chunk loop).
+// T is never a multiple of the 16-position group (each sequence ends in a short group), and the last
+// shape has more 8-column chunks of q per row (256) than a block has threads (the chunk loop).
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionWriteout,
                          ::testing::Values(WriteoutCase{2, 97, 4, 2, 64, false, 10000.0f},
                                            WriteoutCase{2, 97, 4, 2, 64, true, 0.0f},

@@ -33,20 +33,22 @@
 //     pass below that finishes whole packed rows of dqkv.
 //
 // The CODA write-out (writeout != nullptr; the contract and the math are in attention.cuh and
-// kernels/coda/fused.cuh) replaces the dQ conversion by a per-row pass that finishes whole packed rows of
-// dqkv: one block = one group of kGroupRows consecutive token rows (the column-partial group), its threads
-// over 8-column chunks of the row, each chunk walked down the group's rows in batches of kBatchRows rows
-// whose loads are issued together (a streaming pass; one row's loads at a time per thread left it at a
-// third of the memory bandwidth). Per element: dz = scale * dQ accumulator (q columns) or dk, dv as the
-// main kernel stored them (bf16, read back in place); for q columns the row dot <dz, z> against the stored
-// q (the k and v columns' part the main kernel took from the K and V tiles it still held: kv_dots, added
-// here, so the pass reads no k or v of qkv; both taken BEFORE the inverse rotation: the rotation is
-// orthogonal, so <R^T g, R^T z> = <g, z> with no need to rotate z); the inverse RoPE rotation of the q and
-// k pairs (the forward's angle math, epilogue.cuh); the LayerNorm dots <dz, c>, <dz, b'> and the column
-// partials (sum dz, sum r mu dz) kept per thread over the group's rows, so each group's partial row is
-// written once without atomics; finally dqkv = r dz in bf16. Row dots are summed per thread over its
-// chunk, per batch over the warp (a reduce-scatter of shuffles, about one per value), then over the warps'
-// sums in shared memory and the row's kv_dots, in a fixed order: deterministic, count 1.
+// kernels/coda/fused.cuh) finishes whole packed rows of dqkv in two places. The k and v columns in the
+// main kernel, on the dK, dV it holds when its loop ends (finish_kv_rows): the row dots <dz, z> against
+// the k and v its K and V tiles still hold, the inverse RoPE of dk, the LayerNorm dots <dz, c>, <dz, b'>,
+// the column partials (sum dz, sum r mu dz) over each warp's 16 keys, then dz' = r dz is what it stores;
+// its row dots go per (token, kv head) to kv_dots. The q columns in a per-row pass that replaces the dQ
+// conversion: one block = one column-partial group of kGroupRows consecutive positions of one sequence,
+// its threads over 8-column chunks of the q columns, each chunk walked down the group's rows in batches of
+// kBatchRows rows whose loads are issued together (a streaming pass; one row's loads at a time per thread
+// left it at a third of the memory bandwidth). Per element: dz = scale * dQ accumulator, the row dot
+// <dz, z> against the stored q (BEFORE the inverse rotation: the rotation is orthogonal, so <R^T g, R^T z>
+// = <g, z> with no need to rotate z), the inverse RoPE rotation, the LayerNorm dots and the column
+// partials kept per thread over the group's rows (each group's partial row written once, no atomics),
+// finally dqkv = r dz in bf16. Row dots are summed per thread over its chunk, per batch over the warp (a
+// reduce-scatter of shuffles, about one per value), then over the warps' sums in shared memory and the
+// row's kv_dots, in a fixed order: deterministic, count 1. Column-partial groups never straddle two
+// sequences, so that the main kernel's key blocks hold whole groups.
 //
 // Tails: qkv and dout are described to TMA as 3-D tensors [B][T][cols], so rows past T of a sequence are
 // zero-filled. Zero keys past T are masked by causality for every real query, and their dK, dV rows are
@@ -116,6 +118,7 @@ constexpr int kBlockKeys = 2 * kKeysPerWg;  // keys per thread block
 constexpr int kDqRows = 64;                 // query rows of one dQ unit (one wgmma M tile)
 constexpr int kPadQ = 128;                  // T_pad: T rounded up to a multiple of every query step
 constexpr int kThreads = 384;               // producer warpgroup + 2 consumer warpgroups
+constexpr int kGroupRows = 16;              // rows of a CODA column-partial group: 16 keys of one sequence
 
 // The query step per head dim, and the block order (see the kernel): measured on the H200 against the
 // alternatives (docs/ATTENTION.md, session 5). hd 64: 128-query steps (one wgmma N = 128 per product, half
@@ -141,11 +144,48 @@ struct Layout {
   static constexpr int kDsBytes = kBlockKeys * kStepQ * 2;  // dS^T of a step: kStepQ/64 boxes [128 keys][64]
   static constexpr int kDqBytes = kDqRows * 64 * 4;        // one warpgroup's dQ unit: 2 fp32 boxes [64][32]
   static constexpr int kStatBytes = 2 * kStepQ * 4;        // lse * log2 e | D of a step
+  static constexpr int kRowBytes = 2 * kBlockKeys * 4;     // CODA write-out: r | r mu of the block's keys
+  static constexpr int kVecBytes = 4 * HD * 4;             // CODA write-out: c, b' of the k and v columns
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kStepBytes,
                        kDS = kDO + kStages * kStepBytes, kDQ = kDS + 2 * kDsBytes, kStat = kDQ + 2 * kDqBytes,
-                       kBar = kStat + kStages * kStatBytes;
+                       kRows = kStat + kStages * kStatBytes, kVecs = kRows + kRowBytes, kBar = kVecs + kVecBytes;
   static constexpr int kSmem = kBar + 8 * (1 + 2 * kStages) + 1024;  // + slack to align the base to 1024
 };
+
+// Reduce-scatter of kValues values per lane over the lanes that differ in the top log2(kValues) lane bits
+// (offsets 16, 8, ...): at each step a lane keeps one half of its values, adds the partner's copy of that
+// half and sends the other, about kValues shuffles in all. Leaves in v[0] of each lane the sum of its
+// value lane / (32 / kValues) over those lanes. One step per template instance, so that every loop has a
+// constant trip count and unrolls (v must stay in registers).
+template <int kHalf, int kOffset, int kValues>
+__device__ __forceinline__ void scatter_halves(float (&v)[kValues], int lane) {
+  if constexpr (kHalf >= 1) {
+    const bool upper = (lane & kOffset) != 0;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float keep = upper ? v[i + kHalf] : v[i], send = upper ? v[i] : v[i + kHalf];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
+    }
+    scatter_halves<kHalf / 2, kOffset / 2>(v, lane);
+  }
+}
+
+template <int kValues>
+__device__ __forceinline__ float sum_scattered(float (&v)[kValues], int lane) {
+  static_assert(kValues >= 1 && kValues <= 32 && (kValues & (kValues - 1)) == 0, "a power of two up to 32");
+  scatter_halves<kValues / 2, 16>(v, lane);
+  return v[0];
+}
+
+// Warp sums of kValues values per lane: the reduce-scatter, then the remaining lanes' shuffles. Returns in
+// each lane the warp's sum of value lane / (32 / kValues).
+template <int kValues>
+__device__ __forceinline__ float warp_sum_scattered(float (&v)[kValues], int lane) {
+  float sum = sum_scattered<kValues>(v, lane);
+#pragma unroll
+  for (int offset = 16 / kValues; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  return sum;
+}
 
 // acc[64 keys x kStepQ queries] = A[64 keys][HD] B[kStepQ queries][HD]^T, both K-major swizzled tiles:
 // S^T = K Q^T and dP^T = V dO^T (a_rows: the warpgroup's first key row in box 0 of K or V).
@@ -187,10 +227,144 @@ __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kStepQ / 16][4], co
     for (int i = 0; i < 4; ++i) a[kc][i] = pack_bf16(acc[8 * kc + 2 * i], acc[8 * kc + 2 * i + 1]);
 }
 
+// The CODA write-out's part for the k and v columns (header comment), done by the main kernel on the dK,
+// dV it holds (dots == nullptr: none, the unfused mode).
+struct KvWriteout {
+  AttentionWriteout w;
+  float* dots = nullptr;        // [B*T][n_kv_head][1 or 3]: <dz, z> (, <dz, c>, <dz, b'>) over the kv head's columns
+  float log2_freq_step = 0.0f;  // RoPE: -log2(theta) / HD
+  int groups_per_seq = 0;       // column-partial groups of a sequence, ceil(T / kGroupRows)
+};
+
+// The write-out's inputs of this block that are not tiles, staged in shared memory by the consumers
+// before their first product, so that their loads overlap the K and V tiles' TMA instead of adding to the
+// block's tail (one block per SM): r and r mu of the block's kBlockKeys keys (rows[key], rows[kBlockKeys +
+// key]), and for LayerNorm c and b' of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b'
+// of v, HD each). i: the consumer thread, 0..255.
+template <int HD>
+__device__ __forceinline__ void stage_writeout_inputs(const KvWriteout& kv, float* rows, float* vecs, int i, int k0,
+                                                      int b, int T, int kvh, int n_head, int n_kv_head) {
+  const AttentionWriteout& w = kv.w;
+  if (i < kBlockKeys) {
+    const int row = b * T + min(k0 + i, T - 1);
+    float rstd = 0.f, rstd_mean = 0.f;
+    if (w.stats.sum != nullptr) {
+      const prog::LnStats st = w.stats.ln_stats(row);
+      rstd = st.rstd, rstd_mean = st.rstd * st.mean;
+    } else {
+      rstd = w.stats.rms_rstd(row);
+    }
+    rows[i] = rstd, rows[kBlockKeys + i] = rstd_mean;
+  }
+  if (w.c != nullptr) {
+    const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
+    for (int j = i; j < 4 * HD; j += 2 * 128) {
+      const int part = j / HD;
+      vecs[j] = (part < 2 ? w.c : w.b_prime)[(part % 2 == 0 ? k_cols : v_cols) + j % HD];
+    }
+  }
+}
+
+// On this thread's dz values of two key rows (warp_key0 + g and + 8; dk already times scale, dv): the
+// row dots <dz, z> against the k and v the K and V tiles still hold (as stored, rotated: the dot is the
+// same before the inverse rotation), the inverse RoPE of dk, then on the unrotated dz the LayerNorm dots
+// and the column partials (the warp's 16 keys are one group: two rows per thread, 8 lanes per column,
+// a reduce-scatter over those lanes leaves each lane one of 32 consecutive columns), the row dots summed
+// over the quad that holds the row and stored, and last the row scale: dz' = r dz.
+template <int HD>
+__device__ __forceinline__ void finish_kv_rows(float (&dk)[HD / 2], float (&dv)[HD / 2], const KvWriteout& kv,
+                                               const unsigned char* k_tile, const unsigned char* v_tile,
+                                               const float* rows, const float* vecs, int tile_row, int b, int T,
+                                               int kvh, int n_head, int n_kv_head, int warp_key0, int lane) {
+  const AttentionWriteout& w = kv.w;
+  const int g = lane >> 2, t = lane & 3;
+  const bool layernorm = w.c != nullptr;
+  bool valid[2];
+  float rstd[2], rstd_mean[2], dots[3][2] = {};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    valid[h] = warp_key0 + g + 8 * h < T;
+    rstd[h] = rows[tile_row + 8 * h], rstd_mean[h] = rows[kBlockKeys + tile_row + 8 * h];
+  }
+#pragma unroll
+  for (int i = 0; i < HD / 2; i += 2) {
+    const int h = (i >> 1) & 1, at = box_offset(kBlockKeys, tile_row + 8 * h, 8 * (i >> 2) + 2 * t);
+    const float2 kz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(k_tile + at));
+    const float2 vz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_tile + at));
+    dots[0][h] += dk[i] * kz.x + dk[i + 1] * kz.y + dv[i] * vz.x + dv[i + 1] * vz.y;
+  }
+  if (w.rope_theta > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < HD / 2; i += 2) {
+      const int h = (i >> 1) & 1, col = 8 * (i >> 2) + 2 * t;
+      float sin_a, cos_a;
+      epi::sincos_turns(static_cast<float>(warp_key0 + g + 8 * h) *
+                            epi::rope_turns_per_position(static_cast<float>(col), kv.log2_freq_step),
+                        &sin_a, &cos_a);
+      const float x0 = dk[i], x1 = dk[i + 1];
+      dk[i] = x0 * cos_a + x1 * sin_a;
+      dk[i + 1] = x1 * cos_a - x0 * sin_a;
+    }
+  }
+  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
+  if (layernorm) {
+#pragma unroll
+    for (int i = 0; i < HD / 2; i += 2) {
+      const int h = (i >> 1) & 1, col = 8 * (i >> 2) + 2 * t;
+      const float2 ck = *reinterpret_cast<const float2*>(vecs + col);
+      const float2 cv = *reinterpret_cast<const float2*>(vecs + HD + col);
+      const float2 bk = *reinterpret_cast<const float2*>(vecs + 2 * HD + col);
+      const float2 bv = *reinterpret_cast<const float2*>(vecs + 3 * HD + col);
+      dots[1][h] += dk[i] * ck.x + dk[i + 1] * ck.y + dv[i] * cv.x + dv[i + 1] * cv.y;
+      dots[2][h] += dk[i] * bk.x + dk[i + 1] * bk.y + dv[i] * bv.x + dv[i + 1] * bv.y;
+    }
+  }
+  if (w.col_a != nullptr && warp_key0 < T) {
+    const size_t group_row = (static_cast<size_t>(b) * kv.groups_per_seq + warp_key0 / kGroupRows) * qkv_dim;
+    auto column_partials = [&](const float (&dz)[HD / 2], int cols) {
+#pragma unroll
+      for (int block = 0; block < HD / 32; ++block) {  // 32 columns: 4 of the thread's pairs
+        float sum_a[8], sum_b[8];
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          const int i = 4 * (4 * block + v / 2) + v % 2;  // row warp_key0 + g; i + 2: row + 8
+          const float lo = valid[0] ? dz[i] : 0.f, hi = valid[1] ? dz[i + 2] : 0.f;
+          sum_b[v] = lo + hi;
+          sum_a[v] = rstd_mean[0] * lo + rstd_mean[1] * hi;
+        }
+        const float a = sum_scattered<8>(sum_a, lane), bsum = sum_scattered<8>(sum_b, lane);
+        const size_t at = group_row + cols + 32 * block + 8 * (g >> 1) + 2 * t + (g & 1);
+        w.col_a[at] = a;
+        w.col_b[at] = bsum;
+      }
+    };
+    column_partials(dk, k_cols);
+    column_partials(dv, v_cols);
+  }
+  const int dot_count = layernorm ? 3 : 1;
+#pragma unroll
+  for (int d = 0; d < 3; ++d)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float dot = dots[d][h];
+      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+      const int key = warp_key0 + g + 8 * h;
+      if (d < dot_count && t == 0 && key < T)
+        kv.dots[((static_cast<size_t>(b) * T + key) * n_kv_head + kvh) * dot_count + d] = dot;
+    }
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) {
+    const float r = rstd[(i >> 1) & 1];
+    dk[i] *= r;
+    dv[i] *= r;
+  }
+}
+
 template <int HD, int kStepQ>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
-                              const __grid_constant__ CUtensorMap dq_map, bf16* dqkv, float* kv_dots,
+                              const __grid_constant__ CUtensorMap dq_map, bf16* dqkv, const KvWriteout kv,
                               const float* lse2, const float* dsum, int T, int T_pad, int n_head, int n_kv_head,
                               float scale_log2, int group_pairs) {
   using L = Layout<HD, kStepQ>;
@@ -264,6 +438,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t k_rows = base + L::kK + c * kKeysPerWg * 128, v_rows = base + L::kV + c * kKeysPerWg * 128;
   unsigned char* dq_stage = smem + L::kDQ + c * L::kDqBytes;
   float dk[HD / 2] = {}, dv[HD / 2] = {};
+  float* writeout_rows = reinterpret_cast<float*>(smem + L::kRows);
+  float* writeout_vecs = reinterpret_cast<float*>(smem + L::kVecs);
+  if (kv.dots != nullptr)
+    stage_writeout_inputs<HD>(kv, writeout_rows, writeout_vecs, threadIdx.x - 128, k0, b, T, kvh, n_head, n_kv_head);
   sm90::mbar_wait(bar_kv, 0);
 
   for (int step = 0; step < n_steps; ++step) {
@@ -370,39 +548,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::fence_registers(dk);
   sm90::fence_registers(dv);
 
-  // dK (times scale) and dV as bf16 into this warp's rows of the K and V tiles, then 16-byte stores of the
-  // rows below T. The other warpgroup may still read K for dQ: wait until both are done. With a CODA
-  // write-out (kv_dots), each thread first reads the k and v values it overwrites (the stored, rotated
-  // ones) for its two key rows' <dz, z> over this kv head's columns, dz = dk * scale and dv; summed over
-  // the row's quad, they go to kv_dots [B*T][n_kv_head], which the write-out adds to the q columns' part
-  // (so it reads no k or v of qkv).
+  // dK (times scale) and dV -- with a CODA write-out, the k and v columns' finished dz' (finish_kv_rows) --
+  // as bf16 into this warp's rows of the K and V tiles, then 16-byte stores of the rows below T. The other
+  // warpgroup may still read K for dQ: wait until both are done.
   sm90::named_barrier(1, 256);
-  const float scale = scale_log2 / kLog2e;
   const int tile_row = c * kKeysPerWg + warp * 16 + g;
-  float kv_dot[2] = {0.f, 0.f};  // rows tile_row, tile_row + 8
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dk[i] *= scale_log2 / kLog2e;
+  if (kv.dots != nullptr)
+    finish_kv_rows<HD>(dk, dv, kv, smem + L::kK, smem + L::kV, writeout_rows, writeout_vecs, tile_row, b, T, kvh,
+                       n_head, n_kv_head, key0 + warp * 16, lane);
 #pragma unroll
   for (int i = 0; i < HD / 2; i += 2) {
     const int row = tile_row + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t;
-    uint32_t* k_at = reinterpret_cast<uint32_t*>(smem + L::kK + box_offset(kBlockKeys, row, col));
-    uint32_t* v_at = reinterpret_cast<uint32_t*>(smem + L::kV + box_offset(kBlockKeys, row, col));
-    const float dk0 = dk[i] * scale, dk1 = dk[i + 1] * scale;
-    if (kv_dots != nullptr) {
-      const float2 kz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(k_at));
-      const float2 vz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_at));
-      kv_dot[(i >> 1) & 1] += dk0 * kz.x + dk1 * kz.y + dv[i] * vz.x + dv[i + 1] * vz.y;
-    }
-    *k_at = pack_bf16(dk0, dk1);
-    *v_at = pack_bf16(dv[i], dv[i + 1]);
+    *reinterpret_cast<uint32_t*>(smem + L::kK + box_offset(kBlockKeys, row, col)) = pack_bf16(dk[i], dk[i + 1]);
+    *reinterpret_cast<uint32_t*>(smem + L::kV + box_offset(kBlockKeys, row, col)) = pack_bf16(dv[i], dv[i + 1]);
   }
-  if (kv_dots != nullptr)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float dot = kv_dot[half];
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      const int key = key0 + warp * 16 + g + 8 * half;
-      if (t == 0 && key < T) kv_dots[(static_cast<size_t>(b) * T + key) * n_kv_head + kvh] = dot;
-    }
   __syncwarp();
   const size_t qkv_dim = static_cast<size_t>(n_head + 2 * n_kv_head) * HD;
   bf16* dk_dst = dqkv + static_cast<size_t>(b) * T * qkv_dim + static_cast<size_t>(n_head + kvh) * HD;
@@ -437,53 +598,32 @@ __global__ void attention_backward_epilogue_kernel(bf16* dqkv, const float* dq_a
 }
 
 // ---- the CODA write-out --------------------------------------------------------------------------
-constexpr int kGroupRows = 16;           // rows per block = rows per column-partial group
 constexpr int kBatchRows = 4;            // rows whose loads a thread issues together
 constexpr int kWriteoutMaxThreads = 256;
 
-// Warp sums of kValues values per lane at the cost of about kValues shuffles (a reduce-scatter: at each
-// step a lane keeps one half of its values, adds the partner's copy of that half and sends the other).
-// Returns in each lane the warp's sum of value lane / (32 / kValues).
-template <int kValues>
-__device__ __forceinline__ float warp_sum_scattered(float (&v)[kValues], int lane) {
-  static_assert(kValues >= 1 && kValues <= 32 && (kValues & (kValues - 1)) == 0, "a power of two up to 32");
-#pragma unroll
-  for (int half = kValues / 2, offset = 16; half >= 1; half /= 2, offset /= 2) {
-    const bool upper = (lane & offset) != 0;
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float keep = upper ? v[i + half] : v[i], send = upper ? v[i] : v[i + half];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
-    }
-  }
-  float sum = v[0];
-#pragma unroll
-  for (int offset = 16 / kValues; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  return sum;
-}
-
-// One block per group of kGroupRows rows of dqkv [N = B*T, qkv_dim] (header comment); its threads take the
-// row's 8-column chunks in turn, each chunk down the group's rows, kBatchRows rows' loads issued together
-// (a streaming pass: enough loads must be in flight). kDots: 1 (<dz, z>) or 3 (LayerNorm: also <dz, c>,
-// <dz, b'>), kept per row of a batch and summed over the warp when the batch is done; the warps' sums meet
-// in shared memory, and <dz, z> adds the row's k and v part from kv_dots. The q and k heads (columns <
-// rot_cols) are inverse-rotated.
+// One block per column-partial group (kGroupRows consecutive positions of one sequence; the last group of
+// a sequence may be shorter) of the q columns of dqkv [B*T, qkv_dim] (header comment); its threads take
+// the row's 8-column chunks in turn, each chunk down the group's rows, kBatchRows rows' loads issued
+// together (a streaming pass: enough loads must be in flight). kDots: 1 (<dz, z>) or 3 (LayerNorm: also
+// <dz, c>, <dz, b'>), kept per row of a batch and summed over the warp when the batch is done; the warps'
+// sums meet in shared memory with the row's k and v parts (kv_dots, one per kv head) in a fixed order.
 template <int HD, int kDots>
 __global__ void __launch_bounds__(kWriteoutMaxThreads)
     attention_backward_writeout_kernel(bf16* __restrict__ dqkv, const float* __restrict__ dq_accum,
                                        const bf16* __restrict__ qkv, const float* __restrict__ kv_dots,
-                                       const AttentionWriteout w, int N, int T,
-                                       int n_head, int n_kv_head, float scale, int rot_cols, float log2_freq_step) {
+                                       const AttentionWriteout w, int T, int groups_per_seq, int n_head,
+                                       int n_kv_head, float scale, bool rope, float log2_freq_step) {
   constexpr int kDotSlots = kDots == 3 ? 4 : 1;            // per row, a power of two
   constexpr int kBatchValues = kBatchRows * kDotSlots;     // dot values per thread and batch
   constexpr int kLanesPerValue = 32 / kBatchValues;
   __shared__ float s_rstd[kGroupRows], s_rstd_mean[kGroupRows];
   __shared__ float s_dots[kWriteoutMaxThreads / 32][kGroupRows * kDotSlots];
-  const int row0 = blockIdx.x * kGroupRows, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = blockIdx.x / groups_per_seq, t0 = blockIdx.x % groups_per_seq * kGroupRows;
+  const int row0 = b * T + t0, rows = min(kGroupRows, T - t0), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x < kGroupRows) {
     const int row = row0 + threadIdx.x;
     float rstd = 0.f, rstd_mean = 0.f;
-    if (row < N) {
+    if (static_cast<int>(threadIdx.x) < rows) {
       if (w.stats.sum != nullptr) {
         const prog::LnStats st = w.stats.ln_stats(row);
         rstd = st.rstd, rstd_mean = st.rstd * st.mean;
@@ -496,13 +636,12 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
   for (int i = threadIdx.x; i < kWriteoutMaxThreads / 32 * kGroupRows * kDotSlots; i += blockDim.x)
     (&s_dots[0][0])[i] = 0.f;
 
-  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, q_cols = n_head * HD, chunks = qkv_dim / 8;
+  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, chunks = n_head * HD / 8;
   // Every thread runs every pass (the shuffles need whole warps); past the last chunk it runs on chunk 0
   // and drops its results.
   for (int pass = 0; pass < chunks; pass += blockDim.x) {
     const bool active = pass + static_cast<int>(threadIdx.x) < chunks;
     const int col = active ? (pass + threadIdx.x) * 8 : 0, head = col / HD, d = col % HD;
-    const bool rotate = col < rot_cols, from_dq = col < q_cols;
     float freq[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) freq[p] = epi::rope_turns_per_position(static_cast<float>(d + 2 * p), log2_freq_step);
@@ -514,40 +653,29 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     float col_a[8] = {}, col_b[8] = {};
 #pragma unroll 1
     for (int r0 = 0; r0 < kGroupRows; r0 += kBatchRows) {
-      // The batch's loads: q columns, dz (the scaled dQ accumulator) and z (the stored q); k and v columns,
-      // dz only (dk / dv as the main kernel stored them; their <dz, z> came from the main kernel, kv_dots).
+      // The batch's loads: dz (the scaled dQ accumulator) and z (the stored q).
       float dz[kBatchRows][8];
-      uint4 raw[kBatchRows];  // z of a q column, dz of a k or v column
+      uint4 z_raw[kBatchRows];
 #pragma unroll
       for (int r = 0; r < kBatchRows; ++r) {
-        const int row = min(row0 + r0 + r, N - 1), b = row / T, t = row % T;
-        if (from_dq) {
-          unfused::load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
-          raw[r] = __ldg(reinterpret_cast<const uint4*>(qkv + static_cast<size_t>(row) * qkv_dim + col));
-        } else {
-          raw[r] = *reinterpret_cast<const uint4*>(dqkv + static_cast<size_t>(row) * qkv_dim + col);
-        }
+        const int t = t0 + min(r0 + r, rows - 1);
+        unfused::load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
+        z_raw[r] = __ldg(reinterpret_cast<const uint4*>(qkv + (static_cast<size_t>(b) * T + t) * qkv_dim + col));
       }
       if (pass == 0 && r0 == 0) __syncthreads();  // s_rstd, s_rstd_mean and the zeroed s_dots are ready
       float dots[kBatchValues] = {};
 #pragma unroll
       for (int r = 0; r < kBatchRows; ++r) {
-        const int row = row0 + r0 + r, t = row % T;
-        const bool valid = active && row < N;
-        if (from_dq) {
-          float z[8];
-          unfused::unpack_bf16x8(z, raw[r]);
+        const int t = t0 + r0 + r;
+        const bool valid = active && r0 + r < rows;
+        float z[8];
+        unfused::unpack_bf16x8(z, z_raw[r]);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            dz[r][i] *= valid ? scale : 0.f;
-            dots[r * kDotSlots] += dz[r][i] * z[i];
-          }
-        } else {
-          unfused::unpack_bf16x8(dz[r], raw[r]);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dz[r][i] = valid ? dz[r][i] : 0.f;
+        for (int i = 0; i < 8; ++i) {
+          dz[r][i] *= valid ? scale : 0.f;
+          dots[r * kDotSlots] += dz[r][i] * z[i];
         }
-        if (rotate) {
+        if (rope) {
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
             float sin_a, cos_a;
@@ -573,7 +701,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
         }
         const float rs = s_rstd[r0 + r];
         if (valid)
-          *reinterpret_cast<uint4*>(dqkv + static_cast<size_t>(row) * qkv_dim + col) =
+          *reinterpret_cast<uint4*>(dqkv + static_cast<size_t>(row0 + r0 + r) * qkv_dim + col) =
               make_uint4(pack_bf16(rs * dz[r][0], rs * dz[r][1]), pack_bf16(rs * dz[r][2], rs * dz[r][3]),
                          pack_bf16(rs * dz[r][4], rs * dz[r][5]), pack_bf16(rs * dz[r][6], rs * dz[r][7]));
       }
@@ -586,13 +714,11 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < kGroupRows * kDots; i += blockDim.x) {
+  for (int i = threadIdx.x; i < rows * kDots; i += blockDim.x) {
     const int r = i / kDots, k = i % kDots, row = row0 + r;
     float sum = 0.f;
     for (int wp = 0; wp < static_cast<int>(blockDim.x / 32); ++wp) sum += s_dots[wp][r * kDotSlots + k];
-    if (row >= N) continue;
-    if (k == 0)
-      for (int kvh = 0; kvh < n_kv_head; ++kvh) sum += kv_dots[static_cast<size_t>(row) * n_kv_head + kvh];
+    for (int kvh = 0; kvh < n_kv_head; ++kvh) sum += kv_dots[(static_cast<size_t>(row) * n_kv_head + kvh) * kDots + k];
     (k == 0 ? w.dot_z : k == 1 ? w.dot_c : w.dot_b)[row] = sum;
   }
 }
@@ -618,28 +744,33 @@ void validate_writeout(const AttentionWriteout& w) {
     fail("c, b_prime, col_a, col_b must be 16-byte aligned");
 }
 
+int groups_per_sequence(int T) { return (T + kGroupRows - 1) / kGroupRows; }
+
+float rope_log2_freq_step(const AttentionWriteout& w, int HD) {
+  return w.rope_theta > 0.0f ? -std::log2(w.rope_theta) / static_cast<float>(HD) : 0.0f;
+}
+
 template <int HD>
 void launch_writeout(bf16* dqkv, const float* dq_accum, const bf16* qkv, const float* kv_dots,
                      const AttentionWriteout& w, const AttentionShape& s, float scale, cudaStream_t stream) {
-  // Threads: whole warps that divide the row's chunks evenly where they can (gpt2-124m: 288 chunks, 96
-  // threads; llama3.2-1b: 384, 192), so no lane idles; small blocks, so that several fill an SM.
-  const int chunks = s.qkv_dim() / 8;
+  // Threads: whole warps that divide the q columns' chunks evenly where they can (gpt2-124m: 96 chunks, 96
+  // threads; llama3.2-1b: 256, 128), so no lane idles; small blocks, so that several fill an SM.
+  const int chunks = s.n_head * HD / 8;
   int threads = std::min(kWriteoutMaxThreads, (chunks + 31) / 32 * 32);
   for (int warps = 6; warps >= 1 && chunks % 32 == 0; --warps)
     if (chunks / 32 % warps == 0) {
       threads = 32 * warps;
       break;
     }
-  const int rows = s.B * s.T, blocks = (rows + kGroupRows - 1) / kGroupRows;
+  const int groups_per_seq = groups_per_sequence(s.T), blocks = s.B * groups_per_seq;
   const bool rope = w.rope_theta > 0.0f;
-  const int rot_cols = rope ? (s.n_head + s.n_kv_head) * HD : 0;
-  const float log2_freq_step = rope ? -std::log2(w.rope_theta) / static_cast<float>(HD) : 0.0f;
+  const float log2_freq_step = rope_log2_freq_step(w, HD);
   if (w.c != nullptr)
     attention_backward_writeout_kernel<HD, 3><<<blocks, threads, 0, stream>>>(
-        dqkv, dq_accum, qkv, kv_dots, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
+        dqkv, dq_accum, qkv, kv_dots, w, s.T, groups_per_seq, s.n_head, s.n_kv_head, scale, rope, log2_freq_step);
   else
     attention_backward_writeout_kernel<HD, 1><<<blocks, threads, 0, stream>>>(
-        dqkv, dq_accum, qkv, kv_dots, w, rows, s.T, s.n_head, s.n_kv_head, scale, rot_cols, log2_freq_step);
+        dqkv, dq_accum, qkv, kv_dots, w, s.T, groups_per_seq, s.n_head, s.n_kv_head, scale, rope, log2_freq_step);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -659,7 +790,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   float* dq_accum = static_cast<float*>(workspace);
   float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
   float* lse2 = dsum + stat_rows;
-  float* kv_dots = lse2 + stat_rows;  // [B*T][n_kv_head], with a write-out
+  float* kv_dots = lse2 + stat_rows;  // [B*T][n_kv_head][1 or 3], with a write-out
   attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * 32 + 255) / 256), 256, 0, stream>>>(
       lse2, dsum, dq_accum, dout, out, lse, s.B, s.T, T_pad, s.n_head);
   CUDA_CHECK_LAUNCH();
@@ -675,8 +806,12 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int n_pairs = s.B * s.n_kv_head, n_kblocks = (s.T + kBlockKeys - 1) / kBlockKeys;
   const int group_pairs = Tuning<HD>::kGroupPairs > 0 ? std::min(Tuning<HD>::kGroupPairs, n_pairs) : n_pairs;
-  kernel<<<n_pairs * n_kblocks, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv,
-                                                           writeout != nullptr ? kv_dots : nullptr, lse2, dsum, s.T,
+  KvWriteout kv;
+  if (writeout != nullptr) {
+    kv.w = *writeout, kv.dots = kv_dots;
+    kv.log2_freq_step = rope_log2_freq_step(*writeout, HD), kv.groups_per_seq = groups_per_sequence(s.T);
+  }
+  kernel<<<n_pairs * n_kblocks, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv, kv, lse2, dsum, s.T,
                                                            T_pad, s.n_head, s.n_kv_head, scale * kLog2e, group_pairs);
   CUDA_CHECK_LAUNCH();
 
@@ -695,7 +830,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
 size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
   validate_attention_shape(shape);
   return dq_accum_bytes(shape) + 2 * static_cast<size_t>(shape.B) * shape.n_head * padded_T(shape) * sizeof(float) +
-         static_cast<size_t>(shape.B) * shape.T * shape.n_kv_head * sizeof(float);
+         3 * static_cast<size_t>(shape.B) * shape.T * shape.n_kv_head * sizeof(float);
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
@@ -710,6 +845,6 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
     backward<128>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout);
 }
 
-int attention_writeout_group_rows() { return kGroupRows; }
+int attention_writeout_groups(const AttentionShape& shape) { return shape.B * groups_per_sequence(shape.T); }
 
 }  // namespace coda
