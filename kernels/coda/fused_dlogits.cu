@@ -1,25 +1,32 @@
 // The LM head's backward pass over the logits: dz = dloss (softmax - onehot), written back scaled as
 // dz' = r dz, with the row dots and (LayerNorm) the column partials the final norm's backward needs, in
 // one read and one write of the [N, Vp] logits — the largest tensor of a step, so this pass must stream
-// at memory bandwidth.
+// at memory bandwidth. Two shapes, one per norm, over the same per-packet math (dz_packet):
 //
-// Work split: a block owns a group of kGroupRows rows and a slice of the columns, and walks its rows
-// top to bottom. Each thread owns a few 16-byte packets of the slice (the same columns in every row), so
-//  * the column partials of LayerNorm (col_a = sum of r dz mu, col_b = sum of dz over the group's rows)
-//    accumulate in the thread's registers and are written once per group: [N / kGroupRows, Vp] fp32,
-//    small next to the logits (128 rows per group: 1/64 of the logits' bytes per array);
-//  * the row dots (<dz, z>, and for LayerNorm <dz, c>, <dz, b'>) are summed over the warp with shuffles
-//    and then over the block's warps in shared memory; the slices of one row group form a thread-block
-//    cluster, and each row's total is the sum of the slices' values in rank order, read through
-//    distributed shared memory (fused_cluster.cuh). So the dots are complete rows (count 1) and
-//    deterministic, with no atomics and no workspace.
+// RMSNorm (only the row dot <dz, z>): one block per row, its threads over the row's 16-byte packets
+// with kRowPackets packets' loads in flight each (the unfused cross-entropy's shape, which streams at the
+// copy's bandwidth); the dot is summed over the block in a fixed order: count 1, deterministic. (The
+// LayerNorm walk below ran RMSNorm at 2.78 TB/s: its (row group, slice) blocks came in 3.4 waves at
+// gpt2-124m's shape, the last one 40% full.)
+//
+// LayerNorm (also <dz, c>, <dz, b'> and the column partials): a block owns a group of kGroupRows rows and
+// a slice of the columns, and walks its rows top to bottom. Each thread owns a few 16-byte packets of the
+// slice (the same columns in every row), so
+//  * the column partials (col_a = sum of r dz mu, col_b = sum of dz over the group's rows) accumulate in
+//    the thread's registers and are written once per group: [N / kGroupRows, Vp] fp32, small next to the
+//    logits (128 rows per group: 1/64 of the logits' bytes per array);
+//  * the row dots (<dz, z>, <dz, c>, <dz, b'>) are summed over the warp with shuffles and then over the
+//    block's warps in shared memory; the slices of one row group form a thread-block cluster, and each
+//    row's total is the sum of the slices' values in rank order, read through distributed shared memory
+//    (fused_cluster.cuh). So the dots are complete rows (count 1) and deterministic, with no atomics and
+//    no workspace.
 // The next row's packets are loaded before the current row is processed, so every thread keeps two rows'
 // loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once, and
 // c, b' (fp32 [Vp], re-read for every row) stay in L1. The per-row scalars (lse, target, r, mu) are
 // staged in shared memory once per block.
 // The slice count (the cluster size, at most 8) trades the blocks' passes over their rows against the
-// waves of blocks (dlogits_slices); RMSNorm (no column accumulators) gives each thread four packets per
-// row, LayerNorm two, to keep register use low enough for several blocks per SM.
+// waves of blocks (dlogits_slices); two packets per thread and row keep register use low enough for two
+// blocks per SM.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -34,22 +41,76 @@ namespace coda::fused {
 
 namespace {
 
+// dz of one packet (8 columns from col0) of a row: dloss (exp(z - lse) - [col == target]), 0 on the
+// padded columns (col >= vocab).
+__device__ __forceinline__ void dz_packet(float (&dz)[8], const float (&z)[8], int col0, float lse, int target,
+                                          const DlogitsArgs& args) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int col = col0 + j;
+    dz[j] = col < args.vocab ? args.dloss * (epi::fast_exp(z[j] - lse) - (col == target ? 1.0f : 0.0f)) : 0.0f;
+  }
+}
+
+__device__ __forceinline__ uint4 pack_scaled(const float (&dz)[8], float rstd) {
+  uint4 out;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(rstd * dz[2 * i], rstd * dz[2 * i + 1]);
+  return out;
+}
+
+// ---- RMSNorm: one block per row ----
+constexpr int kRowThreads = 256;
+constexpr int kRowPackets = 4;  // loads in flight per thread
+
+__global__ void __launch_bounds__(kRowThreads) dlogits_row_kernel(DlogitsArgs args) {
+  __shared__ float warp_dots[kRowThreads / 32];
+  const int row = blockIdx.x, packets = args.Vp / 8;
+  const float lse = args.lse[row], rstd = args.stats.rms_rstd(row);
+  const int target = args.targets[row];
+  const uint4* src = reinterpret_cast<const uint4*>(args.logits + static_cast<size_t>(row) * args.Vp);
+  uint4* dst = reinterpret_cast<uint4*>(args.dlogits + static_cast<size_t>(row) * args.Vp);
+  float dot = 0.0f;
+  for (int first = threadIdx.x; first < packets; first += kRowThreads * kRowPackets) {
+    uint4 raw[kRowPackets];
+#pragma unroll
+    for (int k = 0; k < kRowPackets; ++k) {
+      const int packet = first + k * kRowThreads;
+      if (packet < packets) raw[k] = __ldcs(src + packet);
+    }
+#pragma unroll
+    for (int k = 0; k < kRowPackets; ++k) {
+      const int packet = first + k * kRowThreads;
+      if (packet >= packets) continue;
+      float z[8], dz[8];
+      unfused::unpack_bf16x8(z, raw[k]);
+      dz_packet(dz, z, 8 * packet, lse, target, args);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dot += dz[j] * z[j];
+      __stcs(dst + packet, pack_scaled(dz, rstd));
+    }
+  }
+  dot = unfused::warp_sum(dot);
+  if (threadIdx.x % 32 == 0) warp_dots[threadIdx.x / 32] = dot;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kRowThreads / 32; ++w) sum += warp_dots[w];
+    args.dot_z[row] = sum;
+  }
+}
+
+// ---- LayerNorm: row groups walked by column slices ----
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kGroupRows = 128;
+constexpr int kDots = 3;                 // dot_z, dot_c, dot_b
+constexpr int kPackets = 2;              // packets per thread and row
+constexpr int kChunk = kPackets * kThreads;  // packets a block covers per pass over its rows
 
-template <bool kLayerNorm>
-struct DlogitsShape {
-  static constexpr int kDots = kLayerNorm ? 3 : 1;     // dot_z (, dot_c, dot_b)
-  static constexpr int kPackets = kLayerNorm ? 2 : 4;  // packets per thread and row
-  static constexpr int kChunk = kPackets * kThreads;   // packets a block covers per pass over its rows
-  static constexpr int kMinBlocks = kLayerNorm ? 2 : 4;  // per SM: enough loads in flight to stream
-};
-
-template <bool kLayerNorm>
-__global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks) dlogits_kernel(DlogitsArgs args, int slice_packets) {
-  using Shape = DlogitsShape<kLayerNorm>;
-  constexpr int kDots = Shape::kDots, kPackets = Shape::kPackets;
+__global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, int slice_packets) {
   __shared__ float row_lse[kGroupRows], row_rstd[kGroupRows], row_mean[kGroupRows];
   __shared__ int row_target[kGroupRows];
   __shared__ float warp_dots[kDots][kWarps][kGroupRows];
@@ -62,21 +123,16 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
     const int row = row0 + r;
     row_lse[r] = args.lse[row];
     row_target[r] = args.targets[row];
-    if constexpr (kLayerNorm) {
-      const prog::LnStats st = args.stats.ln_stats(row);
-      row_rstd[r] = st.rstd;
-      row_mean[r] = st.mean;
-    } else {
-      row_rstd[r] = args.stats.rms_rstd(row);
-    }
+    const prog::LnStats st = args.stats.ln_stats(row);
+    row_rstd[r] = st.rstd;
+    row_mean[r] = st.mean;
   }
   for (int i = threadIdx.x; i < kDots * kWarps * kGroupRows; i += kThreads) (&warp_dots[0][0][0])[i] = 0.0f;
   __syncthreads();
 
   const int begin = static_cast<int>(cluster.block_rank()) * slice_packets;
   const int end = min(args.Vp / 8, begin + slice_packets);
-  const float* dot_vectors[2] = {args.c, args.b_prime};
-  for (int chunk = begin; chunk < end; chunk += Shape::kChunk) {
+  for (int chunk = begin; chunk < end; chunk += kChunk) {
     int packet[kPackets];
     bool valid[kPackets];
 #pragma unroll
@@ -98,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
 #pragma unroll
       for (int k = 0; k < kPackets; ++k) current[k] = next[k];
       if (r + 1 < rows) load_row(r + 1);
-      const float lse = row_lse[r], rstd = row_rstd[r], scaled_mean = kLayerNorm ? rstd * row_mean[r] : 0.0f;
+      const float lse = row_lse[r], rstd = row_rstd[r], scaled_mean = rstd * row_mean[r];
       const int target = row_target[r];
       uint4* dst = reinterpret_cast<uint4*>(args.dlogits + static_cast<size_t>(row0 + r) * args.Vp);
       float dots[kDots] = {};
@@ -106,30 +162,20 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
       for (int k = 0; k < kPackets; ++k) {
         if (!valid[k]) continue;
         const int col0 = 8 * packet[k];
-        float z[8], dz[8], weights[2][8];
+        float z[8], dz[8], c[8], b_prime[8];
         unfused::unpack_bf16x8(z, current[k]);
-        if constexpr (kLayerNorm) {
-#pragma unroll
-          for (int v = 0; v < 2; ++v) unfused::load_f32x8(weights[v], dot_vectors[v] + col0);
-        }
+        unfused::load_f32x8(c, args.c + col0);
+        unfused::load_f32x8(b_prime, args.b_prime + col0);
+        dz_packet(dz, z, col0, lse, target, args);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const int col = col0 + j;
-          dz[j] = col < args.vocab ? args.dloss * (epi::fast_exp(z[j] - lse) - (col == target ? 1.0f : 0.0f)) : 0.0f;
           dots[0] += dz[j] * z[j];
-          if constexpr (kLayerNorm) {
-            dots[1] += dz[j] * weights[0][j];
-            dots[2] += dz[j] * weights[1][j];
-            col_a[k][j] += dz[j] * scaled_mean;
-            col_b[k][j] += dz[j];
-          }
-          dz[j] *= rstd;
+          dots[1] += dz[j] * c[j];
+          dots[2] += dz[j] * b_prime[j];
+          col_a[k][j] += dz[j] * scaled_mean;
+          col_b[k][j] += dz[j];
         }
-        uint4 out;
-        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(dz[2 * i], dz[2 * i + 1]);
-        __stcs(dst + packet[k], out);
+        __stcs(dst + packet[k], pack_scaled(dz, rstd));
       }
 #pragma unroll
       for (int d = 0; d < kDots; ++d) {
@@ -137,15 +183,13 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
         if (lane == 0) warp_dots[d][warp][r] += total;
       }
     }
-    if constexpr (kLayerNorm) {
-      const size_t at = static_cast<size_t>(group) * args.Vp;
+    const size_t at = static_cast<size_t>(group) * args.Vp;
 #pragma unroll
-      for (int k = 0; k < kPackets; ++k)
-        if (valid[k]) {
-          unfused::store_f32x8(args.col_a + at + 8 * packet[k], col_a[k]);
-          unfused::store_f32x8(args.col_b + at + 8 * packet[k], col_b[k]);
-        }
-    }
+    for (int k = 0; k < kPackets; ++k)
+      if (valid[k]) {
+        unfused::store_f32x8(args.col_a + at + 8 * packet[k], col_a[k]);
+        unfused::store_f32x8(args.col_b + at + 8 * packet[k], col_b[k]);
+      }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kDots * rows; i += kThreads) {
@@ -169,33 +213,30 @@ __global__ void __launch_bounds__(kThreads, DlogitsShape<kLayerNorm>::kMinBlocks
 // Cluster size (column slices per row group). Modelled cost of a slice count: the waves of blocks the GPU
 // runs (resident blocks: SMs x occupancy) times the passes (chunks) each block makes over its rows; ties
 // go to the fewest idle packet slots, then to more slices. For gpt2-124m (N = 32768, Vp = 50304) this is
-// one slice for LayerNorm (256 blocks, all resident) and 7 for RMSNorm.
-template <bool kLayerNorm>
+// one slice (256 blocks, all resident).
 int dlogits_slices(int packets, int groups) {
   static const int resident = [] {
     int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dlogits_kernel<kLayerNorm>, kThreads, 0));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dlogits_kernel, kThreads, 0));
     return std::max(1, per_sm) * unfused::sm_count();
   }();
-  constexpr int chunk = DlogitsShape<kLayerNorm>::kChunk;
   int best = 1;
   long best_cost = 0, best_waste = 0;
   for (int slices = 1; slices <= kMaxClusterBlocks; ++slices) {
-    const int slice = (packets + slices - 1) / slices, chunks = (slice + chunk - 1) / chunk;
+    const int slice = (packets + slices - 1) / slices, chunks = (slice + kChunk - 1) / kChunk;
     const long waves = (static_cast<long>(slices) * groups + resident - 1) / resident;
-    const long cost = waves * chunks, waste = static_cast<long>(slices) * chunks * chunk - packets;
+    const long cost = waves * chunks, waste = static_cast<long>(slices) * chunks * kChunk - packets;
     if (slices == 1 || cost < best_cost || (cost == best_cost && waste <= best_waste))
       best = slices, best_cost = cost, best_waste = waste;
   }
   return best;
 }
 
-template <bool kLayerNorm>
-void launch_dlogits(const DlogitsArgs& args, cudaStream_t stream) {
+void launch_dlogits_layernorm(const DlogitsArgs& args, cudaStream_t stream) {
   const int packets = args.Vp / 8, groups = (args.N + kGroupRows - 1) / kGroupRows;
-  const int slices = dlogits_slices<kLayerNorm>(packets, groups);
+  const int slices = dlogits_slices(packets, groups);
   const int slice_packets = (packets + slices - 1) / slices;
-  launch_clustered(dlogits_kernel<kLayerNorm>, slices, groups, kThreads, stream, args, slice_packets);
+  launch_clustered(dlogits_kernel, slices, groups, kThreads, stream, args, slice_packets);
 }
 
 }  // namespace
@@ -217,10 +258,12 @@ void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
         "fused::dlogits: LayerNorm needs c, b_prime, dot_c, dot_b, col_a, col_b and the sum partials together; "
         "RMSNorm none of c, b_prime, dot_c, dot_b, col_a, col_b");
   if (args.N == 0 || args.Vp == 0) return;
-  if (layer_norm)
-    launch_dlogits<true>(args, stream);
-  else
-    launch_dlogits<false>(args, stream);
+  if (layer_norm) {
+    launch_dlogits_layernorm(args, stream);
+  } else {
+    dlogits_row_kernel<<<args.N, kRowThreads, 0, stream>>>(args);
+    CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace coda::fused
