@@ -28,7 +28,7 @@ void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* qkv,
                        cudaStream_t stream);
 
 // Scratch the backward needs (fp32 dQ accumulators, row dot products D = rowsum(dO * O), the write-out's
-// per-(token, kv head) <dz, z> of the k and v columns, ...).
+// per-(token, kv head) row dots of the k and v columns, ...).
 size_t attention_backward_workspace_bytes(const AttentionShape& shape);
 
 // The CODA mode's write-out of dqkv (kernels/coda/fused.cuh explains the scaled-gradient convention):

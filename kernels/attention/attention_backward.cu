@@ -258,7 +258,7 @@ __device__ __forceinline__ void stage_writeout_inputs(const KvWriteout& kv, floa
   }
   if (w.c != nullptr) {
     const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
-    for (int j = i; j < 4 * HD; j += 2 * 128) {
+    for (int j = i; j < 4 * HD; j += kThreads - 128) {  // over the 256 consumer threads
       const int part = j / HD;
       vecs[j] = (part < 2 ? w.c : w.b_prime)[(part % 2 == 0 ? k_cols : v_cols) + j % HD];
     }
