@@ -236,6 +236,13 @@ struct KvWriteout {
   int groups_per_seq = 0;       // column-partial groups of a sequence, ceil(T / kGroupRows)
 };
 
+// r and r mu of a row, finished from the norm's row partials (RMSNorm: mu = 0).
+__device__ __forceinline__ float2 rstd_and_scaled_mean(const prog::NormPartials& stats, int row) {
+  if (stats.sum == nullptr) return make_float2(stats.rms_rstd(row), 0.f);
+  const prog::LnStats st = stats.ln_stats(row);
+  return make_float2(st.rstd, st.rstd * st.mean);
+}
+
 // The write-out's inputs of this block that are not tiles, staged in shared memory by the consumers
 // before their first product, so that their loads overlap the K and V tiles' TMA instead of adding to the
 // block's tail (one block per SM): r and r mu of the block's kBlockKeys keys (rows[key], rows[kBlockKeys +
@@ -246,15 +253,8 @@ __device__ __forceinline__ void stage_writeout_inputs(const KvWriteout& kv, floa
                                                       int b, int T, int kvh, int n_head, int n_kv_head) {
   const AttentionWriteout& w = kv.w;
   if (i < kBlockKeys) {
-    const int row = b * T + min(k0 + i, T - 1);
-    float rstd = 0.f, rstd_mean = 0.f;
-    if (w.stats.sum != nullptr) {
-      const prog::LnStats st = w.stats.ln_stats(row);
-      rstd = st.rstd, rstd_mean = st.rstd * st.mean;
-    } else {
-      rstd = w.stats.rms_rstd(row);
-    }
-    rows[i] = rstd, rows[kBlockKeys + i] = rstd_mean;
+    const float2 r = rstd_and_scaled_mean(w.stats, b * T + min(k0 + i, T - 1));
+    rows[i] = r.x, rows[kBlockKeys + i] = r.y;
   }
   if (w.c != nullptr) {
     const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
@@ -621,17 +621,9 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
   const int b = blockIdx.x / groups_per_seq, t0 = blockIdx.x % groups_per_seq * kGroupRows;
   const int row0 = b * T + t0, rows = min(kGroupRows, T - t0), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x < kGroupRows) {
-    const int row = row0 + threadIdx.x;
-    float rstd = 0.f, rstd_mean = 0.f;
-    if (static_cast<int>(threadIdx.x) < rows) {
-      if (w.stats.sum != nullptr) {
-        const prog::LnStats st = w.stats.ln_stats(row);
-        rstd = st.rstd, rstd_mean = st.rstd * st.mean;
-      } else {
-        rstd = w.stats.rms_rstd(row);
-      }
-    }
-    s_rstd[threadIdx.x] = rstd, s_rstd_mean[threadIdx.x] = rstd_mean;
+    const float2 r = static_cast<int>(threadIdx.x) < rows ? rstd_and_scaled_mean(w.stats, row0 + threadIdx.x)
+                                                           : make_float2(0.f, 0.f);
+    s_rstd[threadIdx.x] = r.x, s_rstd_mean[threadIdx.x] = r.y;
   }
   for (int i = threadIdx.x; i < kWriteoutMaxThreads / 32 * kGroupRows * kDotSlots; i += blockDim.x)
     (&s_dots[0][0])[i] = 0.f;

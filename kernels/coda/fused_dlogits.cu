@@ -65,7 +65,7 @@ constexpr int kRowThreads = 256;
 constexpr int kRowPackets = 4;  // loads in flight per thread
 
 __global__ void __launch_bounds__(kRowThreads) dlogits_row_kernel(DlogitsArgs args) {
-  __shared__ float warp_dots[kRowThreads / 32];
+  __shared__ float scratch[32];
   const int row = blockIdx.x, packets = args.Vp / 8;
   const float lse = args.lse[row], rstd = args.stats.rms_rstd(row);
   const int target = args.targets[row];
@@ -91,15 +91,8 @@ __global__ void __launch_bounds__(kRowThreads) dlogits_row_kernel(DlogitsArgs ar
       __stcs(dst + packet, pack_scaled(dz, rstd));
     }
   }
-  dot = unfused::warp_sum(dot);
-  if (threadIdx.x % 32 == 0) warp_dots[threadIdx.x / 32] = dot;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kRowThreads / 32; ++w) sum += warp_dots[w];
-    args.dot_z[row] = sum;
-  }
+  dot = unfused::block_sum(dot, scratch);
+  if (threadIdx.x == 0) args.dot_z[row] = dot;
 }
 
 // ---- LayerNorm: row groups walked by column slices ----
