@@ -4,6 +4,7 @@
 #include <cxxabi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -64,6 +65,8 @@ Registry& registry() {
   return r;
 }
 
+std::atomic<bool> recording{true};
+
 }  // namespace
 
 bool enabled() {
@@ -74,8 +77,10 @@ bool enabled() {
   return on;
 }
 
+void set_recording(bool on) { recording = on; }
+
 Region::Region(std::string label, cudaStream_t stream) : label_(std::move(label)), stream_(stream) {
-  if (!enabled()) return;
+  if (!enabled() || !recording) return;
   registry();  // constructed before any event, so destroyed after the records are complete
   CUDA_CHECK(cudaEventCreate(&start_));
   CUDA_CHECK(cudaEventRecord(start_, stream_));

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores, run the GPU
 # tests (also under mpirun -np 1 for the communicator and ZeRO-1), `coda bench` of both modes on
-# gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048), the per-kernel GPU-time profile of the coda
-# mode (CODA_PROFILE=1), and a ZeRO-1 training run against the plain one; then print a summary table
-# (the last lines of the output).
+# gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048), the per-kernel GPU-time profile of each mode
+# (CODA_PROFILE=1), and a ZeRO-1 training run against the plain one; then print a summary table (the last
+# lines of the output).
 #
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
@@ -50,8 +50,10 @@ bench() {  # name config B T
   echo "== coda bench $1 (B=$3, T=$4)"
   "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 10 \
     --json "$logs/bench_$1.json" >"$logs/bench_$1.log" 2>&1 || status=1
-  CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
-    --kernels coda >"$logs/profile_$1.log" 2>&1 || status=1
+  for mode in coda unfused; do
+    CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
+      --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
+  done
 }
 bench gpt2-124m configs/gpt2-124m.toml 32 1024
 bench llama3.2-1b configs/llama3.2-1b.toml 8 2048

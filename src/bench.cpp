@@ -5,7 +5,8 @@
 // whose value comes back to the host, so the time includes the AdamW update that a GPU backend queued.
 // MFU = flops_per_token * tokens/s / the device's peak (model.hpp counts the FLOPs). A backend that times
 // its phases on the device (Backend::last_phase_times) also gets the median forward, backward (summed
-// over the micro-batches) and optimizer times of the timed steps.
+// over the micro-batches) and optimizer times of the timed steps. Under CODA_PROFILE=1 only the timed steps'
+// launches are profiled (kernels/kernel_profile.cuh).
 //
 // Under a launcher (mpirun -np N) every rank runs the same loop on its own random tokens, with the
 // gradient average armed before the last micro-batch exactly as train() does, so the step time includes
@@ -20,6 +21,7 @@
 #include "dist_plan.hpp"
 #include "distributed.hpp"
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 #include "model.hpp"
 #include "rng.hpp"
 #include "train.hpp"
@@ -93,6 +95,7 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
     backend->load_params(params.data());
     std::vector<double> ms, forward_ms, backward_ms, optimizer_ms;
     for (int step = 0; step < warmup + steps; ++step) {
+      profile::set_recording(step >= warmup);
       const auto start = std::chrono::steady_clock::now();
       backend->zero_grad();
       PhaseTimes phases;

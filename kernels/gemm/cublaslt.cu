@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 
 #define CUBLAS_CHECK(call)                                                                                  \
   do {                                                                                                      \
@@ -82,6 +83,12 @@ void CublasLt::run(void* D, cudaDataType_t d_type, const __nv_bfloat16* A, Op op
                    int M, int N, int K, bool accumulate, cudaStream_t stream) {
   const Plan& p = plan(Key{M, N, K, static_cast<int>(op_a), static_cast<int>(op_b), static_cast<int>(d_type)});
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const char* ops[] = {"N", "T"};
+  const profile::Region region(profile::enabled() ? "cublaslt " + std::to_string(M) + "x" + std::to_string(N) + "x" +
+                                                        std::to_string(K) + " " + ops[static_cast<int>(op_a)] +
+                                                        ops[static_cast<int>(op_b)] + (accumulate ? " accumulate" : "")
+                                                  : std::string(),
+                               stream);
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, B, p.b, A, p.a, &beta, D, p.d, D, p.d, &p.algo, workspace_,
                               kWorkspaceBytes, stream));
 }

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
@@ -147,6 +148,7 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
                                 ") must be multiples of 8 with cols <= ld and cols <= the workspace's " +
                                 std::to_string(ws.max_cols));
   if (rows <= 0) return;
+  const profile::Region region("column sum (bias gradient)", stream);
   const int tiles = (cols + kTileCols - 1) / kTileCols;
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_kernel, kWarps * 32, 0));

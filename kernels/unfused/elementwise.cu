@@ -14,6 +14,7 @@
 #include <string>
 
 #include "kernels/cuda_check.cuh"
+#include "kernels/kernel_profile.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "kernels/unfused/vec.cuh"
@@ -30,8 +31,9 @@ __global__ void __launch_bounds__(256) packet_kernel(size_t packets, Op op) {
 }
 
 template <typename Op>
-void launch_packets(size_t packets, const Op& op, cudaStream_t stream) {
+void launch_packets(const char* label, size_t packets, const Op& op, cudaStream_t stream) {
   if (packets == 0) return;
+  const profile::Region region(label, stream);
   launch_kernel(packet_kernel<Op>, after_previous(blocks_for(packets, 256), 256), stream, packets, op);
 }
 
@@ -149,32 +151,32 @@ struct SwigluBackward {
 
 void bias_add(bf16* y, const bf16* b, int N, int OC, cudaStream_t stream) {
   require_multiple_of_8(OC, "bias_add");
-  launch_packets(static_cast<size_t>(N) * OC / 8, BiasAdd{y, b, OC / 8}, stream);
+  launch_packets("bias add", static_cast<size_t>(N) * OC / 8, BiasAdd{y, b, OC / 8}, stream);
 }
 
 void residual_add(bf16* out, const bf16* a, const bf16* b, size_t n, cudaStream_t stream) {
   require_multiple_of_8(n, "residual_add");
-  launch_packets(n / 8, ResidualAdd{out, a, b}, stream);
+  launch_packets("residual add", n / 8, ResidualAdd{out, a, b}, stream);
 }
 
 void gelu_forward(bf16* y, const bf16* x, size_t n, cudaStream_t stream) {
   require_multiple_of_8(n, "gelu_forward");
-  launch_packets(n / 8, GeluForward{y, x}, stream);
+  launch_packets("gelu forward", n / 8, GeluForward{y, x}, stream);
 }
 
 void gelu_backward(bf16* dx, const bf16* dy, const bf16* x, size_t n, cudaStream_t stream) {
   require_multiple_of_8(n, "gelu_backward");
-  launch_packets(n / 8, GeluBackward{dx, dy, x}, stream);
+  launch_packets("gelu backward", n / 8, GeluBackward{dx, dy, x}, stream);
 }
 
 void swiglu_forward(bf16* y, const bf16* gu, int N, int F, cudaStream_t stream) {
   require_multiple_of_8(F, "swiglu_forward");
-  launch_packets(static_cast<size_t>(N) * F / 8, SwigluForward{y, gu}, stream);
+  launch_packets("swiglu forward", static_cast<size_t>(N) * F / 8, SwigluForward{y, gu}, stream);
 }
 
 void swiglu_backward(bf16* dgu, const bf16* dy, const bf16* gu, int N, int F, cudaStream_t stream) {
   require_multiple_of_8(F, "swiglu_backward");
-  launch_packets(static_cast<size_t>(N) * F / 8, SwigluBackward{dgu, dy, gu}, stream);
+  launch_packets("swiglu backward", static_cast<size_t>(N) * F / 8, SwigluBackward{dgu, dy, gu}, stream);
 }
 
 }  // namespace coda::unfused
