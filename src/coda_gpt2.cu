@@ -14,9 +14,9 @@
 // the loss from them).
 //
 // Backward (scaled-gradient convention of fused.cuh; d_residual = gradient of the residual stream):
-//   head      fused::dlogits -> dlogits' = r dz with the row dots and column partials of the final norm;
-//             d_residual = 0, then the LayerNorm-backward dgrad (dlogits' Wte) adds the final norm's dh
-//             (one program type serves the three LayerNorm backwards); wgrad + rank-1 correction.
+//   head      fused::dlogits -> dlogits' = r dz with the row dots of the final norm; d_residual = 0, then
+//             the LayerNorm-backward dgrad (dlogits' Wte) adds the final norm's dh and stores u / r over
+//             normf; wgrad += dlogits'^T (u / r), with no rank-1 terms (so dlogits takes no column sums).
 //   proj      dgrad d_act = dz' of the fc output (GELU backward, row dots, col_a, col_b: proj_dgrad_program);
 //             wgrad += d_residual^T act; its bias gradient: the column sums that the LayerNorm backward
 //             above it left (ln_cols_.residual)
@@ -42,8 +42,6 @@ namespace coda {
 
 namespace {
 
-int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 class CodaGpt2Backend : public CodaBackend {
  public:
   CodaGpt2Backend(const ModelConfig& config, int max_batch, int max_seq_len);
@@ -67,9 +65,11 @@ class CodaGpt2Backend : public CodaBackend {
   // d_residual += the LayerNorm backward of a norm (its partials, input h, parameters at norm_w, norm_b)
   // from the scaled gradient dz' [N, K] of the GEMM after it (weight W [K, C]) and the row dots of dz;
   // adds dgamma, dbeta and the column sums of the new d_residual (the gradient of residual_bias, the
-  // bias of the projection below; kAbsent below the first layer) into the gradients, in one launch.
+  // bias of the projection below; kAbsent below the first layer) into the gradients, in one launch; and,
+  // where norm_out_over_rstd is given (the head), stores the norm's u / r there [N, C].
   void ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats, const prog::LnDots& dots,
-                   const bf16* h, size_t norm_w, size_t norm_b, size_t residual_bias, int N);
+                   const bf16* h, size_t norm_w, size_t norm_b, size_t residual_bias, int N,
+                   bf16* norm_out_over_rstd = nullptr);
   // dW += dz'^T O - a gamma^T + b beta^T and dbias += b (W [rows, C] after the norm at norm_w, norm_b;
   // a, b from col_a_, col_b_ in `groups` row groups).
   void ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* O, int rows, int N, int groups,
@@ -109,9 +109,8 @@ void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&dot_z_, dots, partials);
   plan.reserve(&dot_c_, dots, partials);
   plan.reserve(&dot_b_, dots, partials);
-  const size_t grad_cols = std::max({static_cast<size_t>(prog::column_partial_groups(N)) * F,
-                                     static_cast<size_t>(attention_writeout_groups(attention_shape(max_batch_, max_seq_len_))) * Q,
-                                     static_cast<size_t>(ceil_div(N, fused::dlogits_group_rows())) * V});
+  const size_t grad_cols = std::max(static_cast<size_t>(prog::column_partial_groups(N)) * F,
+                                    static_cast<size_t>(attention_writeout_groups(attention_shape(max_batch_, max_seq_len_))) * Q);
   plan.reserve(&grad_cols_.col_a, grad_cols, partials);
   plan.reserve(&grad_cols_.col_b, grad_cols, partials);
   const size_t ln_cols = static_cast<size_t>(prog::column_partial_groups(N)) * C;
@@ -189,12 +188,18 @@ void CodaGpt2Backend::head_forward(int B, int T) {
 
 void CodaGpt2Backend::ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats,
                                   const prog::LnDots& dots, const bf16* h, size_t norm_w, size_t norm_b,
-                                  size_t residual_bias, int N) {
+                                  size_t residual_bias, int N, bf16* norm_out_over_rstd) {
   const int C = config_.d_model, groups = prog::column_partial_groups(N);
-  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(W), N, C, K, false,
-                              prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w),
-                                                              scratch_.d_residual, ln_cols_),
-                              stream_);
+  auto dgrad = [&](const auto& program) {
+    gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(W), N, C, K, false, program,
+                                stream_);
+  };
+  if (norm_out_over_rstd == nullptr)
+    dgrad(prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w), scratch_.d_residual,
+                                          ln_cols_));
+  else
+    dgrad(prog::gpt2::head_ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w), weight(norm_b),
+                                               scratch_.d_residual, ln_cols_, norm_out_over_rstd));
   fused::add_column_partials({{grad(norm_w), ln_cols_.dgamma}, {grad(norm_b), ln_cols_.dbeta},
                               {grad(residual_bias), ln_cols_.residual}},
                              groups, C, C, 1.0f, stream_);
@@ -215,15 +220,14 @@ void CodaGpt2Backend::head_backward(int B, int T, float dloss) {
   args.b_prime = head_vectors_.b_prime;
   args.dot_c = dot_c_;
   args.dot_b = dot_b_;
-  args.col_a = grad_cols_.col_a;
-  args.col_b = grad_cols_.col_b;
   fused::dlogits(args, stream_);
 
+  // The dgrad overwrites O of the final norm (read by the forward's LM head only) with u / r, and the
+  // weight gradient is the plain dz'^T (u / r).
   CUDA_CHECK(cudaMemsetAsync(scratch_.d_residual, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
   ln_backward(acts_.logits, layout_.head_weight(), V, normf_stats_, {dot_z_, dot_c_, dot_b_, 1}, acts_.output,
-              layout_.normf_w, layout_.normf_b, layout_.layers.back().mlp_down_b, N);
-  ln_linear_wgrad(layout_.head_weight(), kAbsent, acts_.logits, acts_.normf, V, N,
-                  ceil_div(N, fused::dlogits_group_rows()), layout_.normf_w, layout_.normf_b);
+              layout_.normf_w, layout_.normf_b, layout_.layers.back().mlp_down_b, N, acts_.normf);
+  gemm_wgrad(grad(layout_.head_weight()), acts_.logits, acts_.normf, V, C, N, true, stream_);
 }
 
 void CodaGpt2Backend::block_backward(int layer, int B, int T) {

@@ -1,9 +1,8 @@
 // Bandwidth of the CODA mode's fused kernels (kernels/coda/fused.cuh) on gpt2-124m's shapes (B=32, T=1024:
 // N = 32768, C = 768, Vp = 50304), against competitors in the same run: a device-to-device copy of the
 // same bytes and, for dlogits, the unfused mode's cross-entropy backward (the same [N, Vp] read and write
-// without the row dots and column partials).
-// Bytes are the tensors a kernel must read and write, each once (the column partials of dlogits
-// included). Timing: CUDA events around one launch after a 512 MB memset that evicts the L2, median of
+// without the row dots).
+// Bytes are the tensors a kernel must read and write, each once. Timing: CUDA events around one launch after a 512 MB memset that evicts the L2, median of
 // 15 runs after 3 warm-ups. Target: dlogits within ~10% of the copy (about 4 TB/s on an H200).
 #include <cuda_bf16.h>
 
@@ -89,8 +88,6 @@ int main() {
   float* c = pool.floats(Vp, 0.5f);
   float* b_prime = pool.floats(Vp, 0.1f);
   float* dots = pool.zeros<float>(3 * static_cast<size_t>(N));
-  const int G = coda::fused::dlogits_group_rows(), groups = (N + G - 1) / G;
-  float* col = pool.zeros<float>(2 * static_cast<size_t>(groups) * Vp);
 
   coda::fused::DlogitsArgs args;
   args.dlogits = logits, args.logits = logits, args.lse = lse, args.targets = targets, args.dloss = 1.0f / N;
@@ -107,8 +104,7 @@ int main() {
   report("fused dlogits RMSNorm (in place)", logit_bytes + 12.0 * N, [&] { coda::fused::dlogits(args, 0); });
   coda::fused::DlogitsArgs ln = args;
   ln.stats.sum = sum, ln.c = c, ln.b_prime = b_prime, ln.dot_c = dots + N, ln.dot_b = dots + 2 * N;
-  ln.col_a = col, ln.col_b = col + static_cast<size_t>(groups) * Vp;
-  report("fused dlogits LayerNorm (in place)", logit_bytes + 2.0 * groups * Vp * 4 + 20.0 * N,
+  report("fused dlogits LayerNorm (in place)", logit_bytes + 20.0 * N,
          [&] { coda::fused::dlogits(ln, 0); });
 
   bf16* h = pool.zeros<bf16>(static_cast<size_t>(N) * C);
@@ -130,10 +126,6 @@ int main() {
   report("fused ln_wgrad_correction fc (2048 groups)", 2.0 * gemm_groups * F * 4 + 2.0 * F * C * 4, [&] {
     coda::fused::ln_wgrad_correction(grad, dots, partials, partials + static_cast<size_t>(gemm_groups) * F, gemm_groups,
                                      F, C, gamma, gamma, 0);
-  });
-  report("fused ln_wgrad_correction head (dlogits groups)", 2.0 * groups * Vp * 4 + 2.0 * Vp * C * 4, [&] {
-    coda::fused::ln_wgrad_correction(grad, nullptr, col, col + static_cast<size_t>(groups) * Vp, groups, Vp, C, gamma,
-                                     gamma, 0);
   });
   CUDA_CHECK(cudaDeviceSynchronize());
   return 0;

@@ -462,6 +462,16 @@ LnBackwardReference reference_ln_backward(const LnLinear& L, const Vec& mean, co
   return r;
 }
 
+// S1 = <dz, c>, S2 = <dz, z> - <dz, b'> on the unscaled dz [M, L.N]: the partials its producer writes.
+DotPartials gradient_dots(const LnLinear& L, const Vec& dz, const Vec& z) {
+  const int N = L.N;
+  DotPartials dots(N);
+  dots.z = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * z[i * N + j]; });
+  dots.c = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.c[j]; });
+  dots.b = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.b_prime[j]; });
+  return dots;
+}
+
 TEST(CodaGpt2, LayerNormBackwardScaledDgradAddsIntoTheResidualGradient) {
   const LnLinear L(96, 70);
   Vec u, mean, rstd, z;
@@ -469,17 +479,45 @@ TEST(CodaGpt2, LayerNormBackwardScaledDgradAddsIntoTheResidualGradient) {
   const Vec dz = random_vec(kM * L.N, -1.0f, 1.0f, 71), d_residual = round_bf16(random_vec(kM * kD, -0.5f, 0.5f, 72));
   const LnBackwardReference expect = reference_ln_backward(L, mean, rstd, dz, d_residual);
 
-  // S1 = <dz, c>, S2 = <dz, z> - <dz, b'> on the unscaled dz: partials from the producer of dz.
-  const int N = L.N;
-  DotPartials dots(N);
-  dots.z = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * z[i * N + j]; });
-  dots.c = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.c[j]; });
-  dots.b = tile_row_sums(kM, N, [&](int i, int j) { return dz[i * N + j] * L.b_prime[j]; });
-  const LnBackwardResult got = run_ln_backward(L, L.scaled(dz), dots.view(tiles(N)), d_residual);
+  DotPartials dots = gradient_dots(L, dz, z);
+  const LnBackwardResult got = run_ln_backward(L, L.scaled(dz), dots.view(tiles(L.N)), d_residual);
   EXPECT_CLOSE(got.out, expect.d_residual, kFp32Tol);
   EXPECT_CLOSE(got.dgamma, expect.dgamma, kFp32Tol);
   EXPECT_CLOSE(got.dbeta, expect.dbeta, kFp32Tol);
   EXPECT_CLOSE(got.residual_colsum, expect.residual_colsum, kFp32Tol);
+}
+
+// The LM head's LayerNorm backward: the same residual gradient and column sums as the LayerNorm backward
+// program, and u / r = (h - mu) (.) gamma + beta / r stored [M, d] (bf16), so that the head's weight
+// gradient is the plain dz'^T (u / r), equal to the reference dz^T u to bf16 precision.
+TEST(CodaGpt2, HeadLayerNormBackwardStoresNormOutputOverRstdForAPlainWeightGradient) {
+  const LnLinear L(96, 75, /*with_bias=*/false);
+  Vec u, mean, rstd, z;
+  L.reference(u, mean, rstd, z);
+  const Vec dz = random_vec(kM * L.N, -1.0f, 1.0f, 76), d_residual = round_bf16(random_vec(kM * kD, -0.5f, 0.5f, 77));
+  DotPartials dots = gradient_dots(L, dz, z);
+  const Vec dz_scaled = L.scaled(dz), acc = dgrad_acc(dz_scaled, L.w, kM, kD, L.N);
+  const Bf16Vec dres_b = to_bf16(d_residual), beta_b = to_bf16(L.beta);
+  Vec dgamma = column_partials(kD), dbeta = column_partials(kD), res = column_partials(kD), out(kM * kD, NAN);
+  Bf16Vec over_rstd(kM * kD, __float2bfloat16_rn(NAN));
+  epi::evaluate_on_host(prog::gpt2::head_ln_backward_program(L.stats(), dots.view(tiles(L.N)), L.h_b.data(), kD,
+                                                             L.gamma_b.data(), beta_b.data(), dres_b.data(),
+                                                             {dgamma.data(), dbeta.data(), res.data()},
+                                                             over_rstd.data()),
+                        acc.data(), kM, kD, kTile, out.data());
+  const LnBackwardResult plain = run_ln_backward(L, dz_scaled, dots.view(tiles(L.N)), d_residual);
+  EXPECT_CLOSE(out, plain.out, kFp32Tol);
+  EXPECT_CLOSE(column_sums(dgamma, kM, kD), plain.dgamma, kFp32Tol);
+  EXPECT_CLOSE(column_sums(res, kM, kD), plain.residual_colsum, kFp32Tol);
+
+  Vec u_over_rstd(kM * kD);
+  for (int i = 0; i < kM * kD; ++i) u_over_rstd[i] = u[i] / rstd[i / kD];
+  EXPECT_CLOSE(to_float(over_rstd), u_over_rstd, kBf16Tol);
+  Vec dw(size_t(L.N) * kD, 0.0f), dw_ref(dw.size(), 0.0f);
+  ref::matmul_backward(nullptr, dw.data(), nullptr, dz_scaled.data(), to_float(over_rstd).data(), L.w.data(), kM, kD,
+                       L.N);
+  ref::matmul_backward(nullptr, dw_ref.data(), nullptr, dz.data(), u.data(), L.w.data(), kM, kD, L.N);
+  EXPECT_CLOSE(dw, dw_ref, kBf16Tol);
 }
 
 // The MLP backward as the CODA mode chains it: the proj dgrad program hands on dz' = r dz with the

@@ -16,7 +16,8 @@
 // gradient is a plain GEMM against the saved O = h (.) gamma, which is what that GEMM read:
 //   RMSNorm:   dW = dz^T u = dz^T diag(r) O = dz'^T O;
 //   LayerNorm: u = r O - r mu gamma + beta, so dW = dz'^T O - a gamma^T + b beta^T with the column sums
-//              a = sum over rows of dz' mu and b = sum over rows of dz (b is also the bias gradient);
+//              a = sum over rows of dz' mu and b = sum over rows of dz (b is also the bias gradient), or,
+//              where the dgrad stored u / r (the LM head), dW = dz'^T (u / r) with nothing to add;
 // and the dgrad accumulator is D' = dz' W = r du, the form the norm-backward programs take.
 // Row dots for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are always taken on the UNSCALED dz.
 //
@@ -50,9 +51,8 @@ void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* ls
 //   dz = dloss * (softmax(logits) - onehot(target)) on columns < vocab, 0 on the padded columns;
 //   dot_z[row] = <dz, logits>, and for LayerNorm (c != nullptr) dot_c[row] = <dz, c>,
 //   dot_b[row] = <dz, b'> (c, b' [Vp]: the head's weight-derived vectors) — row partials, count 1;
-//   dlogits = r dz with r = stats.rstd(row) (the scaled-gradient convention above);
-//   LayerNorm (col_a != nullptr): column partials col_a[g, v] = sum of r dz mu and col_b[g, v] = sum of dz
-//   over the rows of group g, groups of dlogits_group_rows() rows, ld = Vp.
+//   dlogits = r dz with r = stats.rstd(row) (the scaled-gradient convention above). No column partials:
+//   the head's weight gradient needs none (gpt2_programs.cuh, head_ln_backward_program).
 struct DlogitsArgs {
   bf16* dlogits = nullptr;
   const bf16* logits = nullptr;
@@ -66,10 +66,7 @@ struct DlogitsArgs {
   const float* b_prime = nullptr;
   float* dot_c = nullptr;
   float* dot_b = nullptr;
-  float* col_a = nullptr;
-  float* col_b = nullptr;
 };
-int dlogits_group_rows();
 void dlogits(const DlogitsArgs& args, cudaStream_t stream);
 
 // c[n] = sum_k gamma[k] W[n, k],  b'[n] = sum_k beta[k] W[n, k] + bias[n] (bias may be nullptr), n < rows,

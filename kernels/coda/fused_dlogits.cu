@@ -1,6 +1,6 @@
 // The LM head's backward pass over the logits: dz = dloss (softmax - onehot), written back scaled as
-// dz' = r dz, with the row dots and (LayerNorm) the column partials the final norm's backward needs, in
-// one read and one write of the [N, Vp] logits — the largest tensor of a step, so this pass must stream
+// dz' = r dz, with the row dots the final norm's backward needs, in one read and one write of the [N, Vp]
+// logits — the largest tensor of a step, so this pass must stream
 // at memory bandwidth. Two shapes, one per norm, over the same per-packet math (dz_packet):
 //
 // RMSNorm (only the row dot <dz, z>): one block per row, its threads over the row's 16-byte packets
@@ -9,21 +9,18 @@
 // LayerNorm walk below ran RMSNorm at 2.78 TB/s: its (row group, slice) blocks came in 3.4 waves at
 // gpt2-124m's shape, the last one 40% full.)
 //
-// LayerNorm (also <dz, c>, <dz, b'> and the column partials): a block owns a group of kGroupRows rows and
-// a slice of the columns, and walks its rows top to bottom. Each thread owns a few 16-byte packets of the
-// slice (the same columns in every row), so
-//  * the column partials (col_a = sum of r dz mu, col_b = sum of dz over the group's rows) accumulate in
-//    the thread's registers and are written once per group: [N / kGroupRows, Vp] fp32, small next to the
-//    logits (128 rows per group: 1/64 of the logits' bytes per array);
-//  * the row dots (<dz, z>, <dz, c>, <dz, b'>) are summed over the warp with shuffles and then over the
-//    block's warps in shared memory; the slices of one row group form a thread-block cluster, and each
-//    row's total is the sum of the slices' values in rank order, read through distributed shared memory
-//    (fused_cluster.cuh). So the dots are complete rows (count 1) and deterministic, with no atomics and
-//    no workspace.
+// LayerNorm (also <dz, c> and <dz, b'>; no column partials: the head's weight gradient takes u / r from its
+// dgrad, gpt2_programs.cuh): a block owns a group of kGroupRows rows and a slice of the columns, and walks
+// its rows top to bottom. Each thread owns a few 16-byte packets of the slice (the same columns in every
+// row), so the block's slice of c and b' stays in L1 through its rows (the whole vectors, fp32 [Vp], are
+// 400 KB for gpt2: a block per row would read them from L2 for every row). The row dots are summed
+// over the warp with shuffles and then over the block's warps in shared memory; the slices of one row
+// group form a thread-block cluster, and each row's total is the sum of the slices' values in rank order,
+// read through distributed shared memory (fused_cluster.cuh). So the dots are complete rows (count 1) and
+// deterministic, with no atomics and no workspace.
 // The next row's packets are loaded before the current row is processed, so every thread keeps two rows'
-// loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once, and
-// c, b' (fp32 [Vp], re-read for every row) stay in L1. The per-row scalars (lse, target, r, mu) are
-// staged in shared memory once per block.
+// loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once. The
+// per-row scalars (lse, target, r) are staged in shared memory once per block.
 // The slice count (the cluster size, at most 8) trades the blocks' passes over their rows against the
 // waves of blocks (dlogits_slices); two packets per thread and row keep register use low enough for two
 // blocks per SM.
@@ -104,7 +101,7 @@ constexpr int kPackets = 2;              // packets per thread and row
 constexpr int kChunk = kPackets * kThreads;  // packets a block covers per pass over its rows
 
 __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, int slice_packets) {
-  __shared__ float row_lse[kGroupRows], row_rstd[kGroupRows], row_mean[kGroupRows];
+  __shared__ float row_lse[kGroupRows], row_rstd[kGroupRows];
   __shared__ int row_target[kGroupRows];
   __shared__ float warp_dots[kDots][kWarps][kGroupRows];
   __shared__ float block_dots[kDots][kGroupRows];
@@ -116,9 +113,7 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
     const int row = row0 + r;
     row_lse[r] = args.lse[row];
     row_target[r] = args.targets[row];
-    const prog::LnStats st = args.stats.ln_stats(row);
-    row_rstd[r] = st.rstd;
-    row_mean[r] = st.mean;
+    row_rstd[r] = args.stats.ln_stats(row).rstd;
   }
   for (int i = threadIdx.x; i < kDots * kWarps * kGroupRows; i += kThreads) (&warp_dots[0][0][0])[i] = 0.0f;
   __syncthreads();
@@ -133,7 +128,6 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
       packet[k] = chunk + threadIdx.x + k * kThreads;
       valid[k] = packet[k] < end;
     }
-    float col_a[kPackets][8] = {}, col_b[kPackets][8] = {};
     uint4 next[kPackets];
     auto load_row = [&](int r) {
       const uint4* src = reinterpret_cast<const uint4*>(args.logits + static_cast<size_t>(row0 + r) * args.Vp);
@@ -147,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
 #pragma unroll
       for (int k = 0; k < kPackets; ++k) current[k] = next[k];
       if (r + 1 < rows) load_row(r + 1);
-      const float lse = row_lse[r], rstd = row_rstd[r], scaled_mean = rstd * row_mean[r];
+      const float lse = row_lse[r], rstd = row_rstd[r];
       const int target = row_target[r];
       uint4* dst = reinterpret_cast<uint4*>(args.dlogits + static_cast<size_t>(row0 + r) * args.Vp);
       float dots[kDots] = {};
@@ -165,8 +159,6 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
           dots[0] += dz[j] * z[j];
           dots[1] += dz[j] * c[j];
           dots[2] += dz[j] * b_prime[j];
-          col_a[k][j] += dz[j] * scaled_mean;
-          col_b[k][j] += dz[j];
         }
         __stcs(dst + packet[k], pack_scaled(dz, rstd));
       }
@@ -176,13 +168,6 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
         if (lane == 0) warp_dots[d][warp][r] += total;
       }
     }
-    const size_t at = static_cast<size_t>(group) * args.Vp;
-#pragma unroll
-    for (int k = 0; k < kPackets; ++k)
-      if (valid[k]) {
-        unfused::store_f32x8(args.col_a + at + 8 * packet[k], col_a[k]);
-        unfused::store_f32x8(args.col_b + at + 8 * packet[k], col_b[k]);
-      }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kDots * rows; i += kThreads) {
@@ -234,8 +219,6 @@ void launch_dlogits_layernorm(const DlogitsArgs& args, cudaStream_t stream) {
 
 }  // namespace
 
-int dlogits_group_rows() { return kGroupRows; }
-
 void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
   const profile::Region region("dlogits", stream);
   if (args.Vp % 8 != 0 || args.vocab < 1 || args.vocab > args.Vp)
@@ -244,12 +227,12 @@ void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
   if (args.dot_z == nullptr || args.stats.sumsq == nullptr)
     throw std::invalid_argument("fused::dlogits: dot_z and the final norm's sumsq partials are required");
   const bool layer_norm = args.c != nullptr;
-  const bool all_ln = args.b_prime && args.dot_c && args.dot_b && args.col_a && args.col_b && args.stats.sum;
-  const bool any_ln = args.b_prime || args.dot_c || args.dot_b || args.col_a || args.col_b;
+  const bool all_ln = args.b_prime && args.dot_c && args.dot_b && args.stats.sum;
+  const bool any_ln = args.b_prime || args.dot_c || args.dot_b;
   if (layer_norm ? !all_ln : any_ln)
     throw std::invalid_argument(
-        "fused::dlogits: LayerNorm needs c, b_prime, dot_c, dot_b, col_a, col_b and the sum partials together; "
-        "RMSNorm none of c, b_prime, dot_c, dot_b, col_a, col_b");
+        "fused::dlogits: LayerNorm needs c, b_prime, dot_c, dot_b and the sum partials together; RMSNorm none of "
+        "c, b_prime, dot_c, dot_b");
   if (args.N == 0 || args.Vp == 0) return;
   if (layer_norm) {
     launch_dlogits_layernorm(args, stream);

@@ -12,7 +12,10 @@
 //   S1 = <dz, c>,  S2 = <dz, z> - <dz, b'>     (row dots of the UNSCALED dz, taken by its producer),
 //   dgamma = colsum(D' (.) (h - mu)),  dbeta = colsum(D' / r);
 // and the weight gradient is dW = dz'^T O - a gamma^T + b beta^T with the column sums a = colsum(dz' mu),
-// b = colsum(dz) (also the bias gradient), fused::ln_wgrad_correction.
+// b = colsum(dz) (also the bias gradient), fused::ln_wgrad_correction. The LM head (no bias) takes the
+// other road: its dgrad program, which holds h and the row statistics anyway, stores u / r = (h - mu)
+// (.) gamma + beta / r, and the weight gradient is the plain dz'^T (u / r) = dz^T u, with no column partials
+// of the logits' gradient at all.
 // The residual gradient d_residual is loaded by each LayerNorm backward (TileLoad<Add>), summed with dh
 // and stored in place; its column sums on the way out are the bias gradient of the projection whose
 // output it is the gradient of (the attention out-projection, or the MLP projection of the layer below).
@@ -89,19 +92,65 @@ struct LnBackwardColumns {
   float* residual = nullptr;  // colsum(d_residual + dh)
 };
 
+using Centered = Difference<Tile, RowOf<LnMean>>;  // h - mu, h tile input 0
+
+// The LayerNorm output over its row scale, u / r = (h - mu) (.) gamma + beta / r, at the fragment's
+// columns (h tile input 0; mu and 1 / r from a RowStage<LnBackwardRows>). Two column vectors, staged one
+// after the other where the configuration stages them (Program::begin_rows gives the first's place).
+struct LnOutputOverRstd {
+  static constexpr int kTileInputs = 1;
+  static constexpr int kColumnBytes = 2 * sizeof(bf16);
+  Centered centered;
+  RowOf<LnInvRstd> inv_rstd{LnInvRstd{}};
+  ColVectorOf<bf16> gamma, beta;
+  LnOutputOverRstd(const bf16* h, int d, const bf16* gamma_, const bf16* beta_)
+      : centered(Tile{h, d}, LnMean{}), gamma(gamma_), beta(beta_) {}
+  void collect_tiles(TileSource* sources) const { centered.collect_tiles(sources); }
+  CODA_HD void begin_rows(const RowCtx& ctx) {
+    centered.begin_rows(ctx);
+    inv_rstd.begin_rows(ctx);
+    gamma.begin_rows(ctx);
+    RowCtx next = ctx;
+    if (next.column_stage != nullptr) next.column_stage += sizeof(bf16) * next.tile_cols * next.expand / next.stride;
+    beta.begin_rows(next);
+  }
+  CODA_HD void load(const Frag& f, const RowCtx& ctx, float* x) const {
+    float g[Frag::kMaxWidth], b[Frag::kMaxWidth], s[Frag::kMaxWidth];
+    centered.load(f, ctx, x);
+    gamma.load(f, ctx, g);
+    beta.load(f, ctx, b);
+    inv_rstd.load(f, ctx, s);
+    CODA_FOR_VALUES(i, f) x[i] = fmaf(x[i], g[i], b[i] * s[i]);
+  }
+};
+
 // Dgrad of a LayerNormed GEMM (QKV, fc, LM head) with the LayerNorm backward: accumulator D' = r du;
-// d_residual [M, d] += D' (.) gamma - k h + e, stored in place (the GEMM's output is d_residual).
-// stats: the norm's partials; dots: the row dots of its input gradient dz; h: the norm's input (tile
-// input 0), d_residual tile input 1.
-inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
-                                const bf16* gamma, const bf16* d_residual, const LnBackwardColumns& cols) {
-  using Centered = Difference<Tile, RowOf<LnMean>>;
+// d_residual [M, d] += D' (.) gamma - k h + e, stored in place (the GEMM's output is d_residual), followed
+// by the primitives `rest`. stats: the norm's partials; dots: the row dots of its input gradient dz; h: the
+// norm's input (tile input 0), d_residual tile input 1.
+template <class... Rest>
+inline auto ln_backward_then(const NormPartials& stats, const LnDots& dots, const bf16* h, int d, const bf16* gamma,
+                             const bf16* d_residual, const LnBackwardColumns& cols, const Rest&... rest) {
   return make_program(RowStage<LnBackwardRows>(LnBackwardRows{stats, dots}),
                       ColDot<RowOf<LnInvRstd>>(LnInvRstd{}, cols.dbeta, d),
                       ColDot<Centered>(Centered(Tile{h, d}, LnMean{}), cols.dgamma, d), ColBroadcast<Mul, bf16>(gamma),
                       SubScaled<Tile, RowOf<LnBackwardK>>(LnBackwardK{}, Tile{h, d}),
                       RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{}), TileLoad<Add, 1>(d_residual, d),
-                      ColDot<Ones>(Ones{}, cols.residual, d));
+                      ColDot<Ones>(Ones{}, cols.residual, d), rest...);
+}
+
+// QKV and fc: their weight gradients take the rank-1 terms (fused::ln_wgrad_correction).
+inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
+                                const bf16* gamma, const bf16* d_residual, const LnBackwardColumns& cols) {
+  return ln_backward_then(stats, dots, h, d, gamma, d_residual, cols);
+}
+
+// LM head: also u / r [M, d] (bf16) for its weight gradient dW = dz'^T (u / r).
+inline auto head_ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
+                                     const bf16* gamma, const bf16* beta, const bf16* d_residual,
+                                     const LnBackwardColumns& cols, bf16* norm_out_over_rstd) {
+  return ln_backward_then(stats, dots, h, d, gamma, d_residual, cols,
+                          StoreAuxOf<bf16, LnOutputOverRstd>(LnOutputOverRstd(h, d, gamma, beta), norm_out_over_rstd, d));
 }
 
 }  // namespace coda::prog::gpt2

@@ -849,6 +849,24 @@ struct StoreAux : Primitive {
 #endif
 };
 
+// Auxiliary store of operand X's values (not the current ones, which pass on unchanged), in StoreAux's
+// layout: a tensor that the program derives from its inputs for a later GEMM (the final LayerNorm's
+// output over its row scale, for the LM head's weight gradient).
+template <class T, class X>
+struct StoreAuxOf : StoreAux<T> {
+  static constexpr int kTileInputs = X::kTileInputs;
+  static constexpr int kColumnBytes = X::kColumnBytes;
+  X x;
+  CODA_HD StoreAuxOf(const X& x_, T* d, int l) : StoreAux<T>(d, l), x(x_) {}
+  void collect_tiles(TileSource* sources) const { x.collect_tiles(sources); }
+  CODA_HD void begin_rows(const RowCtx& ctx) { x.begin_rows(ctx); }
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    Frag values = f;
+    x.load(f, ctx, values.v);
+    StoreAux<T>::visit(values, ctx);
+  }
+};
+
 // a where mask is 0, b where it is all ones, bit by bit (one LOP3 on the GPU, no predicate).
 CODA_HD float bit_select(float a, float b, uint32_t mask) {
   uint32_t ua, ub;
