@@ -47,7 +47,7 @@ class CodaBackend : public CudaBackend {
 
   prog::NormPartials norm_partials(const NormStatsBuffers& stats) const;
   // The dlogits pass over the logits in place, with the final norm's statistics and <dz, z> into dot_z:
-  // what both architectures pass (LayerNorm adds its vectors, dots and column partials).
+  // what both architectures pass (LayerNorm adds its vectors and dots).
   fused::DlogitsArgs dlogits_args(int N, float dloss, float* dot_z) const;
   // The statistics a layer's residual epilogues write: norm2 of the same layer, or norm1 of the next one
   // (or the final norm after the last layer).

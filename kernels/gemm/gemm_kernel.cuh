@@ -40,6 +40,8 @@
 //    operands are fetched from HBM about once; partial tiles are summed by TMA reduce-adds. (A first
 //    version gave each CTA one contiguous range of tiles x k-blocks, "stream-K": perfectly balanced,
 //    but concurrent CTAs then read unrelated tiles and the weight gradients ran at 0.6-0.8x cuBLAS.)
+//  * launched with PDL (kernels/launch.cuh): the CTAs' setup (tensor-map prefetch, barrier init) runs as
+//    the previous kernel drains; no global memory is touched before griddepcontrol.wait.
 //
 // Layout of A and B in shared memory: TMA boxes with 128-byte inner rows, 128B swizzle.
 //  * K-major operand (forward X and W, dgrad dY): one box {64 k, rows}: row r at r*128 B.
@@ -53,6 +55,7 @@
 #include <type_traits>
 
 #include "kernels/epilogue/epilogue.cuh"
+#include "kernels/launch.cuh"
 #include "kernels/sm90/sm90.cuh"
 
 namespace coda::gemm_detail {
@@ -519,6 +522,9 @@ __global__ void __launch_bounds__(384, 1)
     sm90::fence_barrier_init();
   }
   __syncthreads();
+  // Launched with PDL (launch.cuh): the prologue above ran under the previous kernel's tail; no global
+  // memory before this.
+  start_after_previous_kernel();
 
   if (warpgroup == 0) {
     sm90::regs_release<40>();

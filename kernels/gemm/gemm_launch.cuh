@@ -18,6 +18,7 @@
 #include "kernels/gemm/gemm.cuh"
 #include "kernels/gemm/gemm_kernel.cuh"
 #include "kernels/kernel_profile.cuh"
+#include "kernels/launch.cuh"
 
 namespace coda {
 namespace gemm_detail {
@@ -43,8 +44,7 @@ void launch(const Launch& l, const Program& program, cudaStream_t stream) {
     return true;
   }();
   (void)configured;
-  kernel<<<l.grid, 384, Cfg::kSmemBytes, stream>>>(l.a, l.b, l.d, l.tiles, l.p, program);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(kernel, after_previous(l.grid, 384, Cfg::kSmemBytes), stream, l.a, l.b, l.d, l.tiles, l.p, program);
 }
 
 // "gemm fwd 32768x2304x768 pingpong128x128" (the profile's label of a launch).
