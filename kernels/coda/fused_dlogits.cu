@@ -1,7 +1,7 @@
 // The LM head's backward pass over the logits: dz = dloss (softmax - onehot), written back scaled as
 // dz' = r dz, with the row dots the final norm's backward needs, in one read and one write of the [N, Vp]
-// logits — the largest tensor of a step, so this pass must stream
-// at memory bandwidth. Two shapes, one per norm, over the same per-packet math (dz_packet):
+// logits — the largest tensor of a step, so this pass must stream at memory bandwidth. Two shapes, one per
+// norm, over the same per-packet math (dz_packet):
 //
 // RMSNorm (only the row dot <dz, z>): one block per row, its threads over the row's 16-byte packets
 // with kRowPackets packets' loads in flight each (the unfused cross-entropy's shape, which streams at the
@@ -14,10 +14,10 @@
 // its rows top to bottom. Each thread owns a few 16-byte packets of the slice (the same columns in every
 // row), so it loads its packets' entries of c and b' once per pass and keeps them in registers (the whole
 // vectors, fp32 [Vp], are 400 KB for gpt2: a block per row would read them from L2 for every row; read
-// from L1 per row they cost 2068 against 2013 us, bench_fused). The row dots are summed
-// over the warp with shuffles and then over the block's warps in shared memory; the slices of one row
-// group form a thread-block cluster, and each row's total is the sum of the slices' values in rank order,
-// read through distributed shared memory (fused_cluster.cuh). So the dots are complete rows (count 1) and
+// from L1 per row they cost 2068 against 2013 us, bench_fused). The row dots are summed over the warp with
+// shuffles and then over the block's warps in shared memory; the slices of one row group form a
+// thread-block cluster, and each row's total is the sum of the slices' values in rank order, read through
+// distributed shared memory (fused_cluster.cuh). So the dots are complete rows (count 1) and
 // deterministic, with no atomics and no workspace.
 // The next row's packets are loaded before the current row is processed, so every thread keeps two rows'
 // loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once. The
