@@ -1,25 +1,34 @@
 // Column sums out[j] += sum_n x[n, j] of a bf16 matrix: the bias gradients (db = column sums of dY).
 //
-// The grid is (column tiles of 128, row slabs). In a block, 16 threads own a row's 128 columns (8 adjacent
-// columns each, one 16-byte load per row) and the block's 16 row groups take interleaved rows of the slab,
-// 16 rows in flight per thread, all their loads issued before any is added (past the slab's end a thread
-// reloads its last row and drops it, so no branch splits the loads); the groups' sums meet in shared memory
-// and the slab's partial row goes to the workspace. Then each block takes an integer ticket for its column
-// tile (one acquire-release atomic per block, see ticket_add in vec.cuh); the block that draws the last
-// ticket sums the slabs' partials in slab order and adds them to `out`. The float additions therefore
-// happen in an order fixed by the launch shape alone: results are bitwise reproducible. Slabs are sized so
-// the grid is exactly the blocks that fit on the device at once: one wave (a second, partial wave of a few
-// blocks cost 15% at [N, 2304]), and the last block's serial work stays short: it reads every slab's partial
-// in one round of loads, 128 columns of them (256-column tiles put 4x the bytes, 90 KB at [N, 768], through
-// the one finishing block of each tile).
+// The grid is (column tiles, row slabs). In a block of 256 threads, 8 adjacent columns per thread (one
+// 16-byte load per row), a row's tile is read by tile / 8 lanes and the block's row groups take
+// interleaved rows of the slab, 16 rows in flight per thread, all their loads issued before any is added
+// (past the slab's end a thread reloads its last row and drops it, so no branch splits the loads); the
+// groups' sums meet in shared memory: the slab's partial row. Two ways to add the slabs' partials, in an
+// order fixed by the launch shape alone (results are bitwise reproducible on a given device):
+//  * a cluster per column tile (narrow matrices, whose 64-column tiles all fit on the device at once as
+//    clusters of 16 blocks: [N, 768]): the 16 slabs of a tile are the 16 blocks of one thread-block
+//    cluster, co-scheduled by the hardware; each keeps its partial in shared memory, and after a cluster
+//    barrier block 0 reads the 16 partials through distributed shared memory, in slab order. No global
+//    round trip between the last block's main pass and the result.
+//  * otherwise, the last block to end: 128-column tiles, slabs sized so that the grid is exactly the
+//    blocks that fit on the device at once (one wave: a second, partial wave of a few blocks cost 15% at
+//    [N, 2304]); each block stores its partial to the workspace and takes an integer ticket for its tile
+//    (one acquire-release atomic per block, see ticket_add in vec.cuh); the block that draws the last
+//    ticket sums the slabs' partials in slab order, all in one round of loads (256-column tiles put 4x
+//    the bytes, 90 KB at [N, 768], through the one finishing block of each tile).
 //
 // What [N, 768] (GPT-2's 50 MB bias gradients) costs, H200, PDL launches back to back (docs/PERFORMANCE.md,
-// sessions 5 and 15): the main pass with its partial stores about 14.4 us (83% of 4.2 TB/s), the finish
-// (a ticket round trip to L2, one round of partial loads, the store) 1.4 us more, 15.8 us in all (76%). A
-// deterministic cross-block sum needs those two L2 round trips after the last block's main pass; variants
-// that shortened the chain (clusters summing 4 or 8 slabs through distributed shared memory first, whole
-// rows per block, the partials as their own ready flags polled by one block: 21.7 us, session 12) were
-// slower, and so were 64-column tiles, 16 warps per block and 8 or 12 rows in flight (session 15).
+// sessions 5, 15 and 16): the main pass about 12.4 us from the previous launch's end; the last block to
+// end then needs three L2 round trips (a release fence waiting for its partial store, the atomic, the
+// partial loads), 1.5 us, where the cluster's barrier and its shared-memory reads take about 1 us
+// (session 16 harness: 14.74 / 14.85 -> 14.37 / 14.43 us per launch back to back). Slower: clusters of 8
+// or 16 over 128-column tiles (48 or 96 blocks: 18.7, 17.0 us), clusters of 8 over 64 or 32 columns (16.5,
+// 16.7), clusters summing 4 or 8 slabs before a ticket (session 12); for the ticket: 64-column tiles, 16
+// warps per block, 8 or 12 rows in flight (session 15), the last block to START polling the partial slots
+// (15.1 us), row chunks handed out by an atomic counter with a partial per chunk (16.8 us and more).
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -34,13 +43,26 @@ namespace coda::unfused {
 
 namespace {
 
-constexpr int kWarps = 8, kThreads = kWarps * 32;
-constexpr int kTileCols = 128;                       // a block's columns: 16 lanes x 8 columns, 256 bytes a row
-constexpr int kLanesPerRow = kTileCols / 8;          // 16
-constexpr int kRowGroups = kThreads / kLanesPerRow;  // 16 rows read at once by the block (2 per warp)
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;
+constexpr int kRowsInFlight = 16;  // per thread (16 bytes each)
+
+// The last-block-to-end finish: 128-column tiles, at most kMaxSlabs slabs.
+constexpr int kTicketTileCols = 128;
 constexpr int kMaxSlabs = 96;
-constexpr int kRowsInFlight = 16;                                     // per thread (16 bytes each)
-constexpr int kSlabsPerGroup = (kMaxSlabs + kRowGroups - 1) / kRowGroups;  // the finish: one round of loads
+// The cluster finish: 64-column tiles (one 128-byte line of each row), a cluster of 16 slabs (the
+// largest cluster Hopper allows, a non-portable size).
+constexpr int kClusterTileCols = 64;
+constexpr int kClusterSlabs = 16;
+
+// The layout of a block over a tile of kTileCols columns.
+template <int kTileCols>
+struct TileLayout {
+  static constexpr int kLanesPerRow = kTileCols / 8;          // threads that read one row of the tile
+  static constexpr int kRowGroups = kThreads / kLanesPerRow;  // rows read at once by the block
+  using Scratch = float[kRowGroups][kTileCols];                // the groups' sums meet here
+};
 
 // One 16-byte packet of the summed matrix, with the L2 told to fetch the aligned 128 bytes around it
 // (.L2::128B). Bitwise the same result; measured (session 15 harness, 256-byte row pieces): [N, 768]
@@ -55,51 +77,87 @@ __device__ __forceinline__ uint4 load_packet_l2_128(const bf16* p) {
 
 // Thread t < kTileCols returns the sum over row groups of column t of the groups' values (each thread
 // holds 8 columns of its group).
-__device__ __forceinline__ float sum_over_groups(float (&red)[kRowGroups][kTileCols], const float (&acc)[8]) {
-  store_f32x8(&red[threadIdx.x / kLanesPerRow][threadIdx.x % kLanesPerRow * 8], acc);
+template <int kTileCols>
+__device__ __forceinline__ float sum_over_groups(typename TileLayout<kTileCols>::Scratch& red, const float (&acc)[8]) {
+  using L = TileLayout<kTileCols>;
+  store_f32x8(&red[threadIdx.x / L::kLanesPerRow][threadIdx.x % L::kLanesPerRow * 8], acc);
   __syncthreads();
   float sum = 0.0f;
   if (threadIdx.x < kTileCols)
 #pragma unroll
-    for (int g = 0; g < kRowGroups; ++g) sum += red[g][threadIdx.x];
+    for (int g = 0; g < L::kRowGroups; ++g) sum += red[g][threadIdx.x];
   return sum;
 }
 
-__global__ void __launch_bounds__(kThreads) column_sum_kernel(float* out, const bf16* x, int rows, int cols, int ld,
-                                                              int rows_per_slab, float* partials,
-                                                              unsigned int* tickets) {
-  start_after_previous_kernel();
-  __shared__ __align__(16) float red[kRowGroups][kTileCols];
-  __shared__ bool last_block;
-  const int tile = blockIdx.x, slab = blockIdx.y, slabs = gridDim.y;
-  const int group = threadIdx.x / kLanesPerRow;                              // the row group: rows group + 16 i
-  const int col = tile * kTileCols + threadIdx.x % kLanesPerRow * 8;         // this thread's first column
-  const bool active = col < cols;
-  const int row_end = min(rows, (slab + 1) * rows_per_slab);
-
-  // The value this thread will add to, read now so that the finishing block does not wait for it at the end
-  // (only the finishing block of this launch writes `out`, after every block has read it).
-  const int out_col = tile * kTileCols + threadIdx.x;  // the column this thread finishes
-  const bool finishes = threadIdx.x < kTileCols && out_col < cols;
-  const float out_before = finishes ? out[out_col] : 0.0f;
+// The main pass: thread t < kTileCols returns the sum over rows [row_begin, row_end) of column
+// tile * kTileCols + t (0 past the matrix's columns).
+template <int kTileCols>
+__device__ __forceinline__ float slab_column_sum(typename TileLayout<kTileCols>::Scratch& red, const bf16* x,
+                                                 int row_begin, int row_end, int cols, int ld, int tile) {
+  using L = TileLayout<kTileCols>;
+  const int group = threadIdx.x / L::kLanesPerRow;                       // rows row_begin + group + kRowGroups i
+  const int col = tile * kTileCols + threadIdx.x % L::kLanesPerRow * 8;  // this thread's first column
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (active)
-    for (int row = slab * rows_per_slab + group; row < row_end; row += kRowsInFlight * kRowGroups) {
+  if (col < cols)
+    for (int row = row_begin + group; row < row_end; row += kRowsInFlight * L::kRowGroups) {
       // Past the slab's end a thread reloads its last row (a cache hit) and drops it: no branch between the loads.
       uint4 v[kRowsInFlight];
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u)
-        v[u] = load_packet_l2_128(x + static_cast<size_t>(min(row + u * kRowGroups, row_end - 1)) * ld + col);
+        v[u] = load_packet_l2_128(x + static_cast<size_t>(min(row + u * L::kRowGroups, row_end - 1)) * ld + col);
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u)
-        if (row + u * kRowGroups < row_end) {
+        if (row + u * L::kRowGroups < row_end) {
           float f[8];
           unpack_bf16x8(f, v[u]);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[i] += f[i];
         }
     }
-  const float slab_sum = sum_over_groups(red, acc);
+  return sum_over_groups<kTileCols>(red, acc);
+}
+
+// Grid (kClusterSlabs, tiles), clusters of kClusterSlabs blocks along x: block s of cluster t sums slab s of
+// column tile t.
+__global__ void __launch_bounds__(kThreads) column_sum_cluster_kernel(float* out, const bf16* x, int rows, int cols,
+                                                                      int ld, int rows_per_slab) {
+  start_after_previous_kernel();
+  __shared__ __align__(16) TileLayout<kClusterTileCols>::Scratch red;
+  __shared__ float slab_partial[kClusterTileCols];
+  const int slab = blockIdx.x, tile = blockIdx.y;
+  const int out_col = tile * kClusterTileCols + threadIdx.x;  // the column this thread finishes
+  const bool finishes = slab == 0 && threadIdx.x < kClusterTileCols && out_col < cols;
+  const float out_before = finishes ? out[out_col] : 0.0f;  // read early: not waited for at the end
+  const int row_begin = min(rows, slab * rows_per_slab), row_end = min(rows, row_begin + rows_per_slab);
+  const float sum = slab_column_sum<kClusterTileCols>(red, x, row_begin, row_end, cols, ld, tile);
+  if (threadIdx.x < kClusterTileCols) slab_partial[threadIdx.x] = sum;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every slab's partial is in its block's shared memory
+  if (finishes) {
+    float total = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kClusterSlabs; ++s) total += cluster.map_shared_rank(slab_partial, s)[threadIdx.x];
+    out[out_col] = out_before + total;
+  }
+  cluster.sync();  // no block leaves (and takes its shared memory along) before block 0 has read it
+}
+
+__global__ void __launch_bounds__(kThreads) column_sum_ticket_kernel(float* out, const bf16* x, int rows, int cols,
+                                                                     int ld, int rows_per_slab, float* partials,
+                                                                     unsigned int* tickets) {
+  using L = TileLayout<kTicketTileCols>;
+  constexpr int kSlabsPerGroup = (kMaxSlabs + L::kRowGroups - 1) / L::kRowGroups;  // the finish: one round of loads
+  start_after_previous_kernel();
+  __shared__ __align__(16) L::Scratch red;
+  __shared__ bool last_block;
+  const int tile = blockIdx.x, slab = blockIdx.y, slabs = gridDim.y;
+  const int out_col = tile * kTicketTileCols + threadIdx.x;  // the column this thread finishes
+  const bool finishes = threadIdx.x < kTicketTileCols && out_col < cols;
+  // Read now so that the finishing block does not wait for it at the end (only the finishing block of this
+  // launch writes `out`, after every block has read it).
+  const float out_before = finishes ? out[out_col] : 0.0f;
+  const float slab_sum = slab_column_sum<kTicketTileCols>(red, x, slab * rows_per_slab,
+                                                          min(rows, (slab + 1) * rows_per_slab), cols, ld, tile);
   if (slabs == 1) {
     if (finishes) out[out_col] = out_before + slab_sum;
     return;
@@ -110,36 +168,60 @@ __global__ void __launch_bounds__(kThreads) column_sum_kernel(float* out, const 
   __syncthreads();
   if (!last_block) return;
 
-  // Row group g sums slabs g, g + 16, ... (all in one round of loads), then the groups meet in shared memory
-  // as in the main pass. The partials of other blocks are read through L2 (__ldcg): this block's L1 never
-  // held them.
+  // Row group g sums slabs g, g + kRowGroups, ... (all in one round of loads), then the groups meet in shared
+  // memory as in the main pass. The partials of other blocks are read through L2 (__ldcg): this block's L1
+  // never held them.
+  const int group = threadIdx.x / L::kLanesPerRow;
+  const int col = tile * kTicketTileCols + threadIdx.x % L::kLanesPerRow * 8;
   float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (active) {
+  if (col < cols) {
     float4 lo[kSlabsPerGroup], hi[kSlabsPerGroup];
 #pragma unroll
     for (int u = 0; u < kSlabsPerGroup; ++u) {
-      const size_t s = static_cast<size_t>(min(group + u * kRowGroups, slabs - 1));
+      const size_t s = static_cast<size_t>(min(group + u * L::kRowGroups, slabs - 1));
       const float4* p = reinterpret_cast<const float4*>(partials + s * cols + col);
       lo[u] = __ldcg(p), hi[u] = __ldcg(p + 1);
     }
 #pragma unroll
     for (int u = 0; u < kSlabsPerGroup; ++u)
-      if (group + u * kRowGroups < slabs) {
+      if (group + u * L::kRowGroups < slabs) {
         total[0] += lo[u].x, total[1] += lo[u].y, total[2] += lo[u].z, total[3] += lo[u].w;
         total[4] += hi[u].x, total[5] += hi[u].y, total[6] += hi[u].z, total[7] += hi[u].w;
       }
   }
   __syncthreads();  // every thread has read red[] of the main pass
-  const float sum = sum_over_groups(red, total);
+  const float sum = sum_over_groups<kTicketTileCols>(red, total);
   if (finishes) out[out_col] = out_before + sum;
   if (threadIdx.x == 0) tickets[tile] = 0u;
+}
+
+// How many clusters of kClusterSlabs blocks of column_sum_cluster_kernel the device holds at once (asked
+// once; it also allows the kernel the non-portable cluster size).
+int cluster_capacity() {
+  static const int capacity = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(column_sum_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(kClusterSlabs, 1);
+    config.blockDim = dim3(kThreads);
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kClusterSlabs;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, column_sum_cluster_kernel, &config));
+    return clusters;
+  }();
+  return capacity;
 }
 
 }  // namespace
 
 size_t column_sum_partials_floats(int max_cols) { return static_cast<size_t>(kMaxSlabs) * max_cols; }
 size_t column_sum_tickets(int max_cols) {
-  return static_cast<size_t>(std::max(2, (max_cols + kTileCols - 1) / kTileCols));
+  return static_cast<size_t>(std::max(2, (max_cols + kTicketTileCols - 1) / kTicketTileCols));
 }
 
 void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const ColumnSumWorkspace& ws,
@@ -150,15 +232,24 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
                                 std::to_string(ws.max_cols));
   if (rows <= 0) return;
   const profile::Region region("column sum (bias gradient)", stream);
-  const int tiles = (cols + kTileCols - 1) / kTileCols;
+  const int cluster_tiles = (cols + kClusterTileCols - 1) / kClusterTileCols;
+  if (cluster_tiles <= cluster_capacity()) {
+    LaunchShape shape = after_previous(dim3(kClusterSlabs, cluster_tiles), kThreads);
+    shape.cluster_x = kClusterSlabs;
+    launch_kernel(column_sum_cluster_kernel, shape, stream, out, x, rows, cols, ld,
+                  (rows + kClusterSlabs - 1) / kClusterSlabs);
+    return;
+  }
+  const int tiles = (cols + kTicketTileCols - 1) / kTicketTileCols;
   int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_kernel, kThreads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, column_sum_ticket_kernel, kThreads, 0));
   const int target_slabs = std::max(1, std::max(1, per_sm) * sm_count() / tiles);
-  const int slabs_wanted = std::max(1, std::min({target_slabs, rows / (kRowsInFlight * kRowGroups), kMaxSlabs}));
+  const int rows_per_round = kRowsInFlight * TileLayout<kTicketTileCols>::kRowGroups;
+  const int slabs_wanted = std::max(1, std::min({target_slabs, rows / rows_per_round, kMaxSlabs}));
   const int rows_per_slab = (rows + slabs_wanted - 1) / slabs_wanted;
   const int slabs = (rows + rows_per_slab - 1) / rows_per_slab;
-  launch_kernel(column_sum_kernel, after_previous(dim3(tiles, slabs), kThreads), stream, out, x, rows, cols, ld,
-                rows_per_slab, ws.partials, ws.tickets);
+  launch_kernel(column_sum_ticket_kernel, after_previous(dim3(tiles, slabs), kThreads), stream, out, x, rows, cols,
+                ld, rows_per_slab, ws.partials, ws.tickets);
 }
 
 }  // namespace coda::unfused
