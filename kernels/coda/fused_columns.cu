@@ -11,7 +11,7 @@
 // groups: N / 16, e.g. 2048) over few columns (d_model), so one block per tile would leave most of the
 // GPU idle: the groups are split over the blocks of a thread-block cluster (up to 8, about 256 groups
 // each), each block sums its share into shared memory in a fixed order, and the totals are the sum of the
-// cluster's shares in rank order (fused_cluster.cuh). Deterministic, no atomics, no workspace.
+// cluster's shares in rank order (kernels/cluster.cuh). Deterministic, no atomics, no workspace.
 // In ln_wgrad_correction every block of the cluster reads the tile's totals a, b and then updates its
 // share of the tile's 32 rows of dW (rows rank, rank + cluster size, ...), 16 bytes at a time.
 #include <algorithm>
@@ -19,7 +19,7 @@
 #include <string>
 
 #include "kernels/coda/fused.cuh"
-#include "kernels/coda/fused_cluster.cuh"
+#include "kernels/cluster.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/kernel_profile.cuh"
 #include "kernels/unfused/vec.cuh"

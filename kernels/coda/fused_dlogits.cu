@@ -17,7 +17,7 @@
 // from L1 per row they cost 2068 against 2013 us, bench_fused). The row dots are summed over the warp with
 // shuffles and then over the block's warps in shared memory; the slices of one row group form a
 // thread-block cluster, and each row's total is the sum of the slices' values in rank order, read through
-// distributed shared memory (fused_cluster.cuh). So the dots are complete rows (count 1) and
+// distributed shared memory (kernels/cluster.cuh). So the dots are complete rows (count 1) and
 // deterministic, with no atomics and no workspace.
 // The next row's packets are loaded before the current row is processed, so every thread keeps two rows'
 // loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once. The
@@ -30,7 +30,7 @@
 #include <string>
 
 #include "kernels/coda/fused.cuh"
-#include "kernels/coda/fused_cluster.cuh"
+#include "kernels/cluster.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/kernel_profile.cuh"
 #include "kernels/unfused/vec.cuh"

@@ -27,12 +27,11 @@
 // 16.7), clusters summing 4 or 8 slabs before a ticket (session 12); for the ticket: 64-column tiles, 16
 // warps per block, 8 or 12 rows in flight (session 15), the last block to START polling the partial slots
 // (15.1 us), row chunks handed out by an atomic counter with a partial per chunk (16.8 us and more).
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cluster.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/kernel_profile.cuh"
 #include "kernels/launch.cuh"
@@ -42,8 +41,6 @@
 namespace coda::unfused {
 
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kRowsInFlight = 16;  // per thread (16 bytes each)
@@ -131,14 +128,9 @@ __global__ void __launch_bounds__(kThreads) column_sum_cluster_kernel(float* out
   const int row_begin = min(rows, slab * rows_per_slab), row_end = min(rows, row_begin + rows_per_slab);
   const float sum = slab_column_sum<kClusterTileCols>(red, x, row_begin, row_end, cols, ld, tile);
   if (threadIdx.x < kClusterTileCols) slab_partial[threadIdx.x] = sum;
-  cg::cluster_group cluster = cg::this_cluster();
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   cluster.sync();  // every slab's partial is in its block's shared memory
-  if (finishes) {
-    float total = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kClusterSlabs; ++s) total += cluster.map_shared_rank(slab_partial, s)[threadIdx.x];
-    out[out_col] = out_before + total;
-  }
+  if (finishes) out[out_col] = out_before + sum_over_cluster<kClusterSlabs>(&slab_partial[threadIdx.x]);
   cluster.sync();  // no block leaves (and takes its shared memory along) before block 0 has read it
 }
 
