@@ -10,8 +10,9 @@
 //   layers[l].norm1   O1 = h (.) gamma1: what the QKV GEMM reads       (main output of the same)
 //   layers[l].mid     h2, the residual stream after attention          (aux output of the out-projection)
 //   layers[l].norm2   O2 = h2 (.) gamma2: what the MLP's up GEMM reads (main output of the out-projection)
-//   acts_.output / acts_.normf   h and O of the final norm (GPT-2: the head's backward overwrites normf
-//                                with u / r for its weight gradient, coda_gpt2.cu)
+//   acts_.output / acts_.normf   h and O of the final norm
+// (GPT-2: each LayerNorm backward overwrites its O, norm1, norm2 or normf, with u / r for the weight
+// gradient of the GEMM that read it, coda_gpt2.cu)
 // and the norm statistics as row partials (NormStatsBuffers) instead of finished mean/rstd vectors.
 // CodaLlamaBackend (coda_llama.cu) and CodaGpt2Backend (coda_gpt2.cu) run the blocks and the head.
 #pragma once

@@ -16,16 +16,16 @@
 // Backward (scaled-gradient convention of fused.cuh; d_residual = gradient of the residual stream):
 //   head      fused::dlogits -> dlogits' = r dz with the row dots of the final norm; d_residual = 0, then
 //             the LayerNorm-backward dgrad (dlogits' Wte) adds the final norm's dh and stores u / r over
-//             normf; wgrad += dlogits'^T (u / r), with no rank-1 terms (so dlogits takes no column sums).
-//   proj      dgrad d_act = dz' of the fc output (GELU backward, row dots, col_a, col_b: proj_dgrad_program);
+//             normf; wgrad += dlogits'^T (u / r) (no bias, so dlogits takes no column sums).
+//   proj      dgrad d_act = dz' of the fc output (GELU backward, row dots, col_b: proj_dgrad_program);
 //             wgrad += d_residual^T act; its bias gradient: the column sums that the LayerNorm backward
 //             above it left (ln_cols_.residual)
-//   fc        dgrad: LayerNorm backward of norm2 into d_residual (+ its column sums: the out-proj bias);
-//             wgrad += dz'^T O2 + rank-1 correction (+ fc bias)
+//   fc        dgrad: LayerNorm backward of norm2 into d_residual (+ its column sums: the out-proj bias),
+//             u / r over O2; wgrad += dz'^T (u / r), fc bias from col_b
 //   out-proj  plain dgrad into d_attn, wgrad, bias from the column sums just written
-//   attention backward with the LayerNorm write-out: d_qkv = r dz, row dots, col_a, col_b
+//   attention backward with the LayerNorm write-out: d_qkv = r dz, row dots, col_b
 //   QKV       dgrad: LayerNorm backward of norm1 into d_residual (+ column sums: the proj bias of the layer
-//             below); wgrad + rank-1 correction (+ qkv bias)
+//             below), u / r over O1; wgrad += d_qkv^T (u / r), qkv bias from col_b
 // Every piece finishes its own layer's gradients, so the data-parallel bucket overlap of CudaBackend holds.
 #include <algorithm>
 #include <stdexcept>
@@ -65,22 +65,20 @@ class CodaGpt2Backend : public CodaBackend {
   // d_residual += the LayerNorm backward of a norm (its partials, input h, parameters at norm_w, norm_b)
   // from the scaled gradient dz' [N, K] of the GEMM after it (weight W [K, C]) and the row dots of dz;
   // adds dgamma, dbeta and the column sums of the new d_residual (the gradient of residual_bias, the
-  // bias of the projection below; kAbsent below the first layer) into the gradients, in one launch; and,
-  // where norm_out_over_rstd is given (the head), stores the norm's u / r there [N, C].
+  // bias of the projection below; kAbsent below the first layer) into the gradients, in one launch; and
+  // stores the norm's u / r [N, C] over norm_out_over_rstd (O, which the forward's GEMM read).
   void ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats, const prog::LnDots& dots,
-                   const bf16* h, size_t norm_w, size_t norm_b, size_t residual_bias, int N,
-                   bf16* norm_out_over_rstd = nullptr);
-  // dW += dz'^T O - a gamma^T + b beta^T and dbias += b (W [rows, C] after the norm at norm_w, norm_b;
-  // a, b from col_a_, col_b_ in `groups` row groups).
-  void ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* O, int rows, int N, int groups,
-                       size_t norm_w, size_t norm_b);
+                   const bf16* h, size_t norm_w, size_t norm_b, size_t residual_bias, int N, bf16* norm_out_over_rstd);
+  // dW += dz'^T (u / r) and dbias += the column sums of col_b_ in `groups` row groups (W [rows, C]).
+  void ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* norm_out_over_rstd, int rows, int N,
+                       int groups);
 
   std::vector<LnVectors> qkv_vectors_, fc_vectors_;  // per layer
   LnVectors head_vectors_;
   float* dot_z_ = nullptr;  // row dots of a LayerNormed GEMM's output gradient, [N, count]
   float* dot_c_ = nullptr;
   float* dot_b_ = nullptr;
-  prog::gpt2::LnGradColumns grad_cols_;   // col_a, col_b of that gradient, [groups, rows]
+  float* col_b_ = nullptr;                 // column partials of that gradient (the bias gradient), [groups, rows]
   prog::gpt2::LnBackwardColumns ln_cols_;  // the LayerNorm backward's column partials, [N / 16, C]
 };
 
@@ -109,10 +107,10 @@ void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&dot_z_, dots, partials);
   plan.reserve(&dot_c_, dots, partials);
   plan.reserve(&dot_b_, dots, partials);
-  const size_t grad_cols = std::max(static_cast<size_t>(prog::column_partial_groups(N)) * F,
-                                    static_cast<size_t>(attention_writeout_groups(attention_shape(max_batch_, max_seq_len_))) * Q);
-  plan.reserve(&grad_cols_.col_a, grad_cols, partials);
-  plan.reserve(&grad_cols_.col_b, grad_cols, partials);
+  plan.reserve(&col_b_,
+               std::max(static_cast<size_t>(prog::column_partial_groups(N)) * F,
+                        static_cast<size_t>(attention_writeout_groups(attention_shape(max_batch_, max_seq_len_))) * Q),
+               partials);
   const size_t ln_cols = static_cast<size_t>(prog::column_partial_groups(N)) * C;
   for (float** cols : {&ln_cols_.dgamma, &ln_cols_.dbeta, &ln_cols_.residual})
     plan.reserve(cols, ln_cols, partials);
@@ -194,23 +192,17 @@ void CodaGpt2Backend::ln_backward(const bf16* dz_scaled, size_t W, int K, const 
     gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(W), N, C, K, false, program,
                                 stream_);
   };
-  if (norm_out_over_rstd == nullptr)
-    dgrad(prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w), scratch_.d_residual,
-                                          ln_cols_));
-  else
-    dgrad(prog::gpt2::head_ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w), weight(norm_b),
-                                               scratch_.d_residual, ln_cols_, norm_out_over_rstd));
+  dgrad(prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w), weight(norm_b),
+                                        scratch_.d_residual, ln_cols_, norm_out_over_rstd));
   fused::add_column_partials({{grad(norm_w), ln_cols_.dgamma}, {grad(norm_b), ln_cols_.dbeta},
                               {grad(residual_bias), ln_cols_.residual}},
                              groups, C, C, 1.0f, stream_);
 }
 
-void CodaGpt2Backend::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* O, int rows, int N,
-                                      int groups, size_t norm_w, size_t norm_b) {
-  const int C = config_.d_model;
-  gemm_wgrad(grad(W), dz_scaled, O, rows, C, N, true, stream_);
-  fused::ln_wgrad_correction(grad(W), grad(bias), grad_cols_.col_a, grad_cols_.col_b, groups, rows, C,
-                             weight(norm_w), weight(norm_b), stream_);
+void CodaGpt2Backend::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* norm_out_over_rstd,
+                                      int rows, int N, int groups) {
+  gemm_wgrad(grad(W), dz_scaled, norm_out_over_rstd, rows, config_.d_model, N, true, stream_);
+  fused::add_column_partials({{grad(bias), col_b_}}, groups, rows, rows, 1.0f, stream_);
 }
 
 void CodaGpt2Backend::head_backward(int B, int T, float dloss) {
@@ -242,11 +234,12 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
   gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_up, d_residual, weight(p.mlp_down_w), N, F, C, false,
                               prog::gpt2::proj_dgrad_program(a.up, F, norm_partials(norm2_stats_[layer]),
                                                              fc_vectors_[layer].c, fc_vectors_[layer].b_prime,
-                                                             fc_dots, grad_cols_),
+                                                             fc_dots, col_b_),
                               stream_);
   gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
-  ln_backward(d_up, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.mid, p.norm2_w, p.norm2_b, p.attn_proj_b, N);
-  ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up, a.norm2, F, N, groups, p.norm2_w, p.norm2_b);
+  ln_backward(d_up, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.mid, p.norm2_w, p.norm2_b, p.attn_proj_b, N,
+              a.norm2);
+  ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up, a.norm2, F, N, groups);
 
   gemm_dgrad(scratch_.d_attn, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
   gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
@@ -257,14 +250,12 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
   writeout.b_prime = qkv_vectors_[layer].b_prime;
   writeout.dot_c = dot_c_;
   writeout.dot_b = dot_b_;
-  writeout.col_a = grad_cols_.col_a;
-  writeout.col_b = grad_cols_.col_b;
+  writeout.col_b = col_b_;
   attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
                      attention_shape(B, T), stream_, &writeout);
   ln_backward(scratch_.d_qkv, p.qkv_w, Q, norm1_stats_[layer], {dot_z_, dot_c_, dot_b_, 1}, a.input, p.norm1_w,
-              p.norm1_b, layer > 0 ? layout_.layers[layer - 1].mlp_down_b : kAbsent, N);
-  ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, attention_writeout_groups(attention_shape(B, T)),
-                  p.norm1_w, p.norm1_b);
+              p.norm1_b, layer > 0 ? layout_.layers[layer - 1].mlp_down_b : kAbsent, N, a.norm1);
+  ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, attention_writeout_groups(attention_shape(B, T)));
 }
 
 }  // namespace

@@ -276,7 +276,7 @@ void residual(Unfused& u) {
           {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}});
 }
 
-// MLP projection dgrad + GELU backward (+ the fc bias gradient and the row dots / col_a of the fc's
+// MLP projection dgrad + GELU backward (+ the fc bias gradient and the row dots of the fc's
 // LayerNorm backward); the chain: GEMM dgrad + gelu_backward + column_sum (fc bias).
 void proj_dgrad(Unfused& u) {
   Arena arena;
@@ -288,15 +288,14 @@ void proj_dgrad(Unfused& u) {
   const int dot_count = g.row_partials();
   const size_t dots = size_t(M) * max_row_partials(F);
   const prog::LnDots ln_dots{arena.alloc<float>(dots), arena.alloc<float>(dots), arena.alloc<float>(dots), dot_count};
-  const size_t cols = size_t(prog::column_partial_groups(M)) * F;
-  const prog::gpt2::LnGradColumns grad_cols{arena.alloc<float>(cols), arena.alloc<float>(cols)};
+  float* col_b = arena.alloc<float>(size_t(prog::column_partial_groups(M)) * F);
   bf16* out = arena.alloc<bf16>(size_t(M) * F);
   bf16* bare_out = arena.alloc<bf16>(size_t(M) * F);
   bf16* d_act = arena.alloc<bf16>(size_t(M) * F);
   bf16* d_up = arena.alloc<bf16>(size_t(M) * F);
   float* d_bias = arena.alloc<float>(F);
   CUDA_CHECK(cudaMemset(d_bias, 0, F * sizeof(float)));
-  const auto program = prog::gpt2::proj_dgrad_program(pre, F, stats, c, b_prime, ln_dots, grad_cols);
+  const auto program = prog::gpt2::proj_dgrad_program(pre, F, stats, c, b_prime, ln_dots, col_b);
   report("gpt2 proj dgrad + GELU backward", g, program,
          [&](int i) { g.coda<GemmLayout::Dgrad>(out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
@@ -304,7 +303,8 @@ void proj_dgrad(Unfused& u) {
           {"column_sum", [&](int) { unfused::column_sum(d_bias, d_up, M, F, F, u.ws, nullptr); }}});
 }
 
-// The dgrad of a LayerNormed GEMM (weight [K, C]) with the LayerNorm backward, in place on d_residual;
+// The dgrad of a LayerNormed GEMM (weight [K, C]) with the LayerNorm backward, in place on d_residual, and
+// u / r for the GEMM's weight gradient;
 // stats_count: the norm statistics' producer; dot_count: the row dots' producer (the proj dgrad for fc,
 // 1 for the attention write-out and dlogits).
 // The chain: GEMM dgrad + layernorm_backward (accumulating, or writing fresh after the head) + column_sum
@@ -319,7 +319,9 @@ void ln_backward(Unfused& u, const std::string& name, int K, int stats_count, in
                              arena.random<float>(dots, -0.1f, 0.1f), dot_count};
   const bf16* h = arena.random<bf16>(size_t(M) * C, -kAct, kAct);
   const bf16* gamma = arena.random<bf16>(C, 0.8f, 1.2f);
+  const bf16* beta = arena.random<bf16>(C, -0.2f, 0.2f);
   bf16* d_residual = arena.random<bf16>(size_t(M) * C, -kGrad, kGrad);
+  bf16* norm_out_over_rstd = arena.alloc<bf16>(size_t(M) * C);
   const size_t cols = size_t(prog::column_partial_groups(M)) * C;
   const prog::gpt2::LnBackwardColumns ln_cols{arena.alloc<float>(cols), arena.alloc<float>(cols),
                                               arena.alloc<float>(cols)};
@@ -332,7 +334,8 @@ void ln_backward(Unfused& u, const std::string& name, int K, int stats_count, in
   float* d_beta = arena.alloc<float>(C);
   float* d_bias = arena.alloc<float>(C);
   for (float* p : {d_gamma, d_beta, d_bias}) CUDA_CHECK(cudaMemset(p, 0, C * sizeof(float)));
-  const auto program = prog::gpt2::ln_backward_program(stats, ln_dots, h, C, gamma, d_residual, ln_cols);
+  const auto program =
+      prog::gpt2::ln_backward_program(stats, ln_dots, h, C, gamma, beta, d_residual, ln_cols, norm_out_over_rstd);
   report(name, g, program, [&](int i) { g.coda<GemmLayout::Dgrad>(d_residual, false, program, i); },
          bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},

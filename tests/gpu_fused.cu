@@ -6,9 +6,9 @@
 //  * dlogits, RMSNorm (in place) and LayerNorm (out of place): dlogits' = r dz against r times the CPU
 //    reference's softmax gradient, exact zeros in the padded columns and the row dots, on a small vocabulary and on GPT-2's (50257 of 50304: the multi-slice clusters), with N not a multiple
 //    of the row group; the LayerNorm run is repeated and must match bitwise (no atomics);
-//  * ln_weight_vectors with and without a bias; add_column_partials and ln_wgrad_correction with group
-//    counts that make clusters of one and of several blocks with uneven shares, column counts that end in
-//    a partial tile, and gradients that already hold values (the functions add).
+//  * ln_weight_vectors with and without a bias; add_column_partials with group counts that make clusters
+//    of one and of several blocks with uneven shares, column counts that end in a partial tile, and
+//    gradients that already hold values (the function adds).
 // Outputs are poisoned with NaN before every launch (an unwritten element fails). Errors are relative
 // Frobenius norms (rel_error). Tolerances: values rounded to bf16 once 1e-2; fp32 results of fp32 sums in
 // another order (and the GPU's fast exp) 1e-4; the embedding's h and O, which both sides compute with
@@ -270,7 +270,7 @@ TEST(GpuFused, LnWeightVectors) {
   check_ln_weight_vectors(1003, 1600, false);  // the head: no bias, 200 packets per row
 }
 
-// ---- add_column_partials and ln_wgrad_correction -------------------------------------------------------
+// ---- add_column_partials ------------------------------------------------------------------------------
 
 // Column sums of [groups, ld] partials, columns < n, in double.
 std::vector<double> column_sums(const std::vector<float>& partials, int groups, int ld, int n) {
@@ -338,41 +338,6 @@ TEST(GpuFused, AddColumnPartialsRejectsFourArrays) {
                                            {d.get(), d.get()}},
                                           1, 64, 64, 1.0f, 0),
                std::invalid_argument);
-}
-
-void check_ln_wgrad_correction(int groups, int rows, int d, bool with_bias) {
-  SCOPED_TRACE("groups=" + std::to_string(groups) + " rows=" + std::to_string(rows) + " d=" + std::to_string(d));
-  coda::Rng rng(41 + groups + with_bias);
-  const std::vector<float> col_a = random_values(static_cast<size_t>(groups) * rows, rng, 0.2f);
-  const std::vector<float> col_b = random_values(col_a.size(), rng, 0.2f, 0.02f);
-  const std::vector<float> gamma = random_values(d, rng, 0.1f, 1.0f), beta = random_values(d, rng, 0.1f);
-  const std::vector<float> dW = random_values(static_cast<size_t>(rows) * d, rng, 1.0f);
-  const std::vector<float> dbias = random_values(rows, rng, 1.0f);
-  const std::vector<double> a = column_sums(col_a, groups, rows, rows), b = column_sums(col_b, groups, rows, rows);
-  std::vector<float> dW_ref(dW.size()), dbias_ref(rows);
-  for (int n = 0; n < rows; ++n) {
-    for (int k = 0; k < d; ++k) {
-      const size_t at = static_cast<size_t>(n) * d + k;
-      dW_ref[at] = static_cast<float>(dW[at] + b[n] * beta[k] - a[n] * gamma[k]);
-    }
-    dbias_ref[n] = static_cast<float>(dbias[n] + b[n]);
-  }
-  DeviceBuffer<float> d_col_a(col_a), d_col_b(col_b), d_dW(dW), d_dbias(dbias);
-  DeviceBuffer<bf16> d_gamma(gamma), d_beta(beta);
-  fused::ln_wgrad_correction(d_dW.get(), with_bias ? d_dbias.get() : nullptr, d_col_a.get(), d_col_b.get(), groups,
-                             rows, d, d_gamma.get(), d_beta.get(), 0);
-  EXPECT_LT(rel_error(d_dW.download(), dW_ref), kFp32Tol);
-  if (with_bias)
-    EXPECT_LT(rel_error(d_dbias.download(), dbias_ref), kFp32Tol);
-  else
-    EXPECT_EQ(d_dbias.download(), dbias);  // untouched
-}
-
-TEST(GpuFused, LnWgradCorrection) {
-  SKIP_WITHOUT_GPU();
-  check_ln_wgrad_correction(2053, 308, 776, true);  // fc-like: 16-row groups, clusters of 8, partial tile
-  check_ln_wgrad_correction(3, 1028, 768, false);   // a few groups (one block per cluster), no bias
-  check_ln_wgrad_correction(700, 100, 64, true);    // clusters of 3 sharing a tile's rows unevenly
 }
 
 }  // namespace

@@ -397,12 +397,10 @@ TEST(CodaGpt2, ProjDgradGeluBackwardScaledGradientAndLnStatistics) {
   const Vec pre = round_bf16(random_vec(kM * F, -3.0f, 3.0f, 65));
   const Vec dres = random_vec(kM * kD, -1.0f, 1.0f, 66), w_proj = random_vec(kD * F, -0.15f, 0.15f, 67);
   const Vec dact = dgrad_acc(dres, w_proj, kM, F, kD);
-  Vec dpre(kM * F, 0.0f), col_a_ref(F, 0.0f), col_b_ref(F, 0.0f);
+  Vec dpre(kM * F, 0.0f), col_b_ref(F, 0.0f);
   Vec dot_z_ref(kM, 0.0f), dot_c_ref(kM, 0.0f), dot_b_ref(kM, 0.0f);
   ref::gelu_backward(dpre.data(), dact.data(), pre.data(), dpre.size());
   for (int i = 0; i < kM * F; ++i) {
-    const prog::LnStats st = L.stats().ln_stats(i / F);
-    col_a_ref[i % F] += st.rstd * dpre[i] * st.mean;
     col_b_ref[i % F] += dpre[i];
     dot_z_ref[i / F] += dpre[i] * pre[i];
     dot_c_ref[i / F] += dpre[i] * L.c[i % F];
@@ -411,9 +409,9 @@ TEST(CodaGpt2, ProjDgradGeluBackwardScaledGradientAndLnStatistics) {
 
   const Bf16Vec pre_b = to_bf16(pre);
   DotPartials dots(F);
-  Vec out(kM * F, NAN), col_a = column_partials(F), col_b = column_partials(F);
+  Vec out(kM * F, NAN), col_b = column_partials(F);
   epi::evaluate_on_host(prog::gpt2::proj_dgrad_program(pre_b.data(), F, L.stats(), L.c.data(), L.b_prime.data(),
-                                                       dots.view(tiles(F)), {col_a.data(), col_b.data()}),
+                                                       dots.view(tiles(F)), col_b.data()),
                         dact.data(), kM, F, kTile, out.data());
   Vec dot_z(kM), dot_c(kM), dot_b(kM);
   for (int i = 0; i < kM; ++i) {
@@ -422,29 +420,31 @@ TEST(CodaGpt2, ProjDgradGeluBackwardScaledGradientAndLnStatistics) {
     dot_b[i] = prog::sum_partials(&dots.b[size_t(i) * tiles(F)], tiles(F));
   }
   EXPECT_CLOSE(out, L.scaled(dpre), kFp32Tol);
-  EXPECT_CLOSE(column_sums(col_a, kM, F), col_a_ref, kFp32Tol);
   EXPECT_CLOSE(column_sums(col_b, kM, F), col_b_ref, kFp32Tol);
   EXPECT_CLOSE(dot_z, dot_z_ref, kFp32Tol);
   EXPECT_CLOSE(dot_c, dot_c_ref, kFp32Tol);
   EXPECT_CLOSE(dot_b, dot_b_ref, kFp32Tol);
 }
 
-// The LayerNorm backward program on D' = dz' W: the new residual gradient, dgamma, dbeta and
-// the residual gradient's column sums; with the reference's dh, dgamma, dbeta from du = dz W.
+// The LayerNorm backward program on D' = dz' W: the new residual gradient, dgamma, dbeta, the residual
+// gradient's column sums and u / r (bf16, widened); with the reference's dh, dgamma, dbeta from du = dz W.
 struct LnBackwardResult {
-  Vec out, dgamma, dbeta, residual_colsum;
+  Vec out, dgamma, dbeta, residual_colsum, norm_out_over_rstd;
 };
 LnBackwardResult run_ln_backward(const LnLinear& L, const Vec& dz_scaled, prog::LnDots dots, const Vec& d_residual) {
   const Vec acc = dgrad_acc(dz_scaled, L.w, kM, kD, L.N);
-  const Bf16Vec dres_b = to_bf16(d_residual);
+  const Bf16Vec dres_b = to_bf16(d_residual), beta_b = to_bf16(L.beta);
   Vec dgamma = column_partials(kD), dbeta = column_partials(kD), res = column_partials(kD);
-  LnBackwardResult r{Vec(kM * kD, NAN), {}, {}, {}};
+  Bf16Vec over_rstd(kM * kD, __float2bfloat16_rn(NAN));
+  LnBackwardResult r{Vec(kM * kD, NAN), {}, {}, {}, {}};
   epi::evaluate_on_host(prog::gpt2::ln_backward_program(L.stats(), dots, L.h_b.data(), kD, L.gamma_b.data(),
-                                                        dres_b.data(), {dgamma.data(), dbeta.data(), res.data()}),
+                                                        beta_b.data(), dres_b.data(),
+                                                        {dgamma.data(), dbeta.data(), res.data()}, over_rstd.data()),
                         acc.data(), kM, kD, kTile, r.out.data());
   r.dgamma = column_sums(dgamma, kM, kD);
   r.dbeta = column_sums(dbeta, kM, kD);
   r.residual_colsum = column_sums(res, kM, kD);
+  r.norm_out_over_rstd = to_float(over_rstd);
   return r;
 }
 
@@ -487,46 +487,37 @@ TEST(CodaGpt2, LayerNormBackwardScaledDgradAddsIntoTheResidualGradient) {
   EXPECT_CLOSE(got.residual_colsum, expect.residual_colsum, kFp32Tol);
 }
 
-// The LM head's LayerNorm backward: the same residual gradient and column sums as the LayerNorm backward
-// program, and u / r = (h - mu) (.) gamma + beta / r stored [M, d] (bf16), so that the head's weight
-// gradient is the plain dz'^T (u / r), equal to the reference dz^T u to bf16 precision.
-TEST(CodaGpt2, HeadLayerNormBackwardStoresNormOutputOverRstdForAPlainWeightGradient) {
+// The LayerNorm backward's u / r = (h - mu) (.) gamma + beta / r, stored [M, d] (bf16), makes the weight
+// gradient of the GEMM after the norm the plain dz'^T (u / r), equal to the reference dz^T u to bf16
+// precision (here without a bias, as at the LM head).
+TEST(CodaGpt2, LayerNormBackwardStoresNormOutputOverRstdForAPlainWeightGradient) {
   const LnLinear L(96, 75, /*with_bias=*/false);
   Vec u, mean, rstd, z;
   L.reference(u, mean, rstd, z);
   const Vec dz = random_vec(kM * L.N, -1.0f, 1.0f, 76), d_residual = round_bf16(random_vec(kM * kD, -0.5f, 0.5f, 77));
   DotPartials dots = gradient_dots(L, dz, z);
-  const Vec dz_scaled = L.scaled(dz), acc = dgrad_acc(dz_scaled, L.w, kM, kD, L.N);
-  const Bf16Vec dres_b = to_bf16(d_residual), beta_b = to_bf16(L.beta);
-  Vec dgamma = column_partials(kD), dbeta = column_partials(kD), res = column_partials(kD), out(kM * kD, NAN);
-  Bf16Vec over_rstd(kM * kD, __float2bfloat16_rn(NAN));
-  epi::evaluate_on_host(prog::gpt2::head_ln_backward_program(L.stats(), dots.view(tiles(L.N)), L.h_b.data(), kD,
-                                                             L.gamma_b.data(), beta_b.data(), dres_b.data(),
-                                                             {dgamma.data(), dbeta.data(), res.data()},
-                                                             over_rstd.data()),
-                        acc.data(), kM, kD, kTile, out.data());
-  const LnBackwardResult plain = run_ln_backward(L, dz_scaled, dots.view(tiles(L.N)), d_residual);
-  EXPECT_CLOSE(out, plain.out, kFp32Tol);
-  EXPECT_CLOSE(column_sums(dgamma, kM, kD), plain.dgamma, kFp32Tol);
-  EXPECT_CLOSE(column_sums(res, kM, kD), plain.residual_colsum, kFp32Tol);
+  const Vec dz_scaled = L.scaled(dz);
+  const LnBackwardResult got = run_ln_backward(L, dz_scaled, dots.view(tiles(L.N)), d_residual);
+  const LnBackwardReference expect = reference_ln_backward(L, mean, rstd, dz, d_residual);
+  EXPECT_CLOSE(got.out, expect.d_residual, kFp32Tol);
 
   Vec u_over_rstd(kM * kD);
   for (int i = 0; i < kM * kD; ++i) u_over_rstd[i] = u[i] / rstd[i / kD];
-  EXPECT_CLOSE(to_float(over_rstd), u_over_rstd, kBf16Tol);
+  EXPECT_CLOSE(got.norm_out_over_rstd, u_over_rstd, kBf16Tol);
   Vec dw(size_t(L.N) * kD, 0.0f), dw_ref(dw.size(), 0.0f);
-  ref::matmul_backward(nullptr, dw.data(), nullptr, dz_scaled.data(), to_float(over_rstd).data(), L.w.data(), kM, kD,
-                       L.N);
+  ref::matmul_backward(nullptr, dw.data(), nullptr, dz_scaled.data(), got.norm_out_over_rstd.data(), L.w.data(), kM,
+                       kD, L.N);
   ref::matmul_backward(nullptr, dw_ref.data(), nullptr, dz.data(), u.data(), L.w.data(), kM, kD, L.N);
   EXPECT_CLOSE(dw, dw_ref, kBf16Tol);
 }
 
 // The MLP backward as the CODA mode chains it: the proj dgrad program hands on dz' = r dz with the
-// column partials a, b and the row dots; the fc weight gradient is dz'^T O plus the rank-1 correction
-//   dW = dz'^T O - a gamma^T + b beta^T,  dbias = b,
-// and the fc dgrad's LayerNorm backward runs on those dots. The weight gradient matches the reference to
-// fp32 precision, and so do dgamma and dbeta; dh to bf16 precision, because S2 = <dz, z - b'> reads the
-// saved bf16 pre-activation where the reference has the exact one.
-TEST(CodaGpt2, MlpBackwardChainWeightGradientRankOneCorrectionAndLayerNormBackward) {
+// column partials of dz and the row dots; the fc dgrad's LayerNorm backward runs on those dots and stores
+// u / r, and the fc weight gradient is the plain dz'^T (u / r), the bias gradient the column sums of dz.
+// dgamma, dbeta and the bias gradient match the reference to fp32 precision; dh to bf16 precision, because
+// S2 = <dz, z - b'> reads the saved bf16 pre-activation where the reference has the exact one; the weight
+// gradient to bf16 precision (u / r is stored in bf16).
+TEST(CodaGpt2, MlpBackwardChainWeightGradientAndLayerNormBackward) {
   const int F = 96;
   const LnLinear L(F, 80);
   Vec u, mean, rstd, z;
@@ -541,30 +532,28 @@ TEST(CodaGpt2, MlpBackwardChainWeightGradientRankOneCorrectionAndLayerNormBackwa
 
   const Bf16Vec pre_b = to_bf16(pre);
   DotPartials dots(F);
-  Vec dz_scaled(kM * F, NAN), col_a = column_partials(F), col_b = column_partials(F);
+  Vec dz_scaled(kM * F, NAN), col_b = column_partials(F);
   epi::evaluate_on_host(prog::gpt2::proj_dgrad_program(pre_b.data(), F, L.stats(), L.c.data(), L.b_prime.data(),
-                                                       dots.view(tiles(F)), {col_a.data(), col_b.data()}),
+                                                       dots.view(tiles(F)), col_b.data()),
                         dact.data(), kM, F, kTile, dz_scaled.data());
-  const Vec a = column_sums(col_a, kM, F), b = column_sums(col_b, kM, F), O = mul_cols(L.h, L.gamma, kM, kD);
-  Vec dw(F * kD, 0.0f);
-  ref::matmul_backward(nullptr, dw.data(), nullptr, dz_scaled.data(), O.data(), L.w.data(), kM, kD, F);
-  for (int n = 0; n < F; ++n)
-    for (int k = 0; k < kD; ++k) dw[size_t(n) * kD + k] += b[n] * L.beta[k] - a[n] * L.gamma[k];
-  EXPECT_CLOSE(dw, dw_ref, kFp32Tol);
-  EXPECT_CLOSE(b, db_ref, kFp32Tol);
-
   const LnBackwardResult got = run_ln_backward(L, dz_scaled, dots.view(tiles(F)), dres);
   EXPECT_CLOSE(got.out, expect.d_residual, kBf16Tol);
   EXPECT_CLOSE(got.dgamma, expect.dgamma, kFp32Tol);
   EXPECT_CLOSE(got.dbeta, expect.dbeta, kFp32Tol);
   EXPECT_CLOSE(got.residual_colsum, expect.residual_colsum, kBf16Tol);
+
+  Vec dw(F * kD, 0.0f);
+  ref::matmul_backward(nullptr, dw.data(), nullptr, dz_scaled.data(), got.norm_out_over_rstd.data(), L.w.data(), kM,
+                       kD, F);
+  EXPECT_CLOSE(dw, dw_ref, kBf16Tol);
+  EXPECT_CLOSE(column_sums(col_b, kM, F), db_ref, kFp32Tol);
 }
 
 // The tile rule of the programs and the weight gradients (gemm_choose_tile; gemm_epilogue_of maps a program with two tile inputs
 // to GemmEpilogue::TwoTileInputs): the two-input LayerNorm backward and the long-K dgrads stay on the
 // cooperative tile, the narrow forward programs on ping-pong 128x128, the others go to ping-pong 64x256.
 TEST(CodaTiles, ProgramsTakeTheTileOfTheirShapeAndTileInputs) {
-  const auto ln_backward = prog::gpt2::ln_backward_program({}, {}, nullptr, 768, nullptr, nullptr, {});
+  const auto ln_backward = prog::gpt2::ln_backward_program({}, {}, nullptr, 768, nullptr, nullptr, nullptr, {}, nullptr);
   const auto norm_backward = prog::llama::norm_backward_program({}, nullptr, 1, nullptr, 2048, nullptr, nullptr);
   EXPECT_EQ(decltype(ln_backward)::kTileInputs, 2);   // h and d_residual
   EXPECT_EQ(decltype(norm_backward)::kTileInputs, 1);  // h (the residual gradient is reduce-added)

@@ -38,10 +38,10 @@ size_t attention_backward_workspace_bytes(const AttentionShape& shape);
 //   2. Row dots of the QKV GEMM's norm backward on that unscaled dz, row partials with count 1:
 //      dot_z = <dz, z>, z = qkv as the forward stored it (RoPE is orthogonal, so the rotated pair
 //      gives the same dot); LayerNorm (c != nullptr): dot_c = <dz, c>, dot_b = <dz, b'> ([qkv_dim]).
-//   3. LayerNorm (col_a != nullptr): column partials col_b[g, j] = sum of dz (the qkv bias gradient) and
-//      col_a[g, j] = sum of r dz mu over the rows of group g, ld = qkv_dim; a group is 16 consecutive
-//      positions of one sequence (the last one of a sequence shorter), group b * ceil(T / 16) + t / 16,
-//      attention_writeout_groups(shape) groups in all.
+//   3. LayerNorm (col_b != nullptr): column partials col_b[g, j] = sum of dz over the rows of group g (the
+//      qkv bias gradient), ld = qkv_dim; a group is 16 consecutive positions of one sequence (the last one
+//      of a sequence shorter), group b * ceil(T / 16) + t / 16, attention_writeout_groups(shape) groups in
+//      all.
 //   4. The row scale: dqkv = r dz with r = stats.rstd(row), the norm's rstd.
 struct AttentionWriteout {
   float rope_theta = 0.0f;
@@ -51,7 +51,6 @@ struct AttentionWriteout {
   const float* b_prime = nullptr;
   float* dot_c = nullptr;
   float* dot_b = nullptr;
-  float* col_a = nullptr;
   float* col_b = nullptr;
 };
 int attention_writeout_groups(const AttentionShape& shape);

@@ -36,8 +36,8 @@
 // kernels/coda/fused.cuh) finishes whole packed rows of dqkv in two places. The k and v columns in the
 // main kernel, on the dK, dV it holds when its loop ends (finish_kv_rows): the row dots <dz, z> against
 // the k and v its K and V tiles still hold, the inverse RoPE of dk, the LayerNorm dots <dz, c>, <dz, b'>,
-// the column partials (sum dz, sum r mu dz) over each warp's 16 keys, then dz' = r dz is what it stores;
-// its row dots go per (token, kv head) to kv_dots. The q columns in a per-row pass that replaces the dQ
+// the column partials (sum dz: the qkv bias gradient) over each warp's 16 keys, then dz' = r dz is what
+// it stores; its row dots go per (token, kv head) to kv_dots. The q columns in a per-row pass that replaces the dQ
 // conversion: one block = one column-partial group of kGroupRows consecutive positions of one sequence,
 // its threads over 8-column chunks of the q columns, each chunk walked down the group's rows in batches of
 // kBatchRows rows whose loads are issued together (a streaming pass; one row's loads at a time per thread
@@ -144,7 +144,7 @@ struct Layout {
   static constexpr int kDsBytes = kBlockKeys * kStepQ * 2;  // dS^T of a step: kStepQ/64 boxes [128 keys][64]
   static constexpr int kDqBytes = kDqRows * 64 * 4;        // one warpgroup's dQ unit: 2 fp32 boxes [64][32]
   static constexpr int kStatBytes = 2 * kStepQ * 4;        // lse * log2 e | D of a step
-  static constexpr int kRowBytes = 2 * kBlockKeys * 4;     // CODA write-out: r | r mu of the block's keys
+  static constexpr int kRowBytes = kBlockKeys * 4;         // CODA write-out: r of the block's keys
   static constexpr int kVecBytes = 4 * HD * 4;             // CODA write-out: c, b' of the k and v columns
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kStepBytes,
                        kDS = kDO + kStages * kStepBytes, kDQ = kDS + 2 * kDsBytes, kStat = kDQ + 2 * kDqBytes,
@@ -236,26 +236,21 @@ struct KvWriteout {
   int groups_per_seq = 0;       // column-partial groups of a sequence, ceil(T / kGroupRows)
 };
 
-// r and r mu of a row, finished from the norm's row partials (RMSNorm: mu = 0).
-__device__ __forceinline__ float2 rstd_and_scaled_mean(const prog::NormPartials& stats, int row) {
-  if (stats.sum == nullptr) return make_float2(stats.rms_rstd(row), 0.f);
-  const prog::LnStats st = stats.ln_stats(row);
-  return make_float2(st.rstd, st.rstd * st.mean);
+// r of a row, finished from the norm's row partials (RMSNorm without sums, LayerNorm with them).
+__device__ __forceinline__ float row_rstd(const prog::NormPartials& stats, int row) {
+  return stats.sum == nullptr ? stats.rms_rstd(row) : stats.ln_stats(row).rstd;
 }
 
 // The write-out's inputs of this block that are not tiles, staged in shared memory by the consumers
 // before their first product, so that their loads overlap the K and V tiles' TMA instead of adding to the
-// block's tail (one block per SM): r and r mu of the block's kBlockKeys keys (rows[key], rows[kBlockKeys +
-// key]), and for LayerNorm c and b' of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b'
+// block's tail (one block per SM): r of the block's kBlockKeys keys (rows[key]), and for LayerNorm c and b'
+// of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b'
 // of v, HD each). i: the consumer thread, 0..255.
 template <int HD>
 __device__ __forceinline__ void stage_writeout_inputs(const KvWriteout& kv, float* rows, float* vecs, int i, int k0,
                                                       int b, int T, int kvh, int n_head, int n_kv_head) {
   const AttentionWriteout& w = kv.w;
-  if (i < kBlockKeys) {
-    const float2 r = rstd_and_scaled_mean(w.stats, b * T + min(k0 + i, T - 1));
-    rows[i] = r.x, rows[kBlockKeys + i] = r.y;
-  }
+  if (i < kBlockKeys) rows[i] = row_rstd(w.stats, b * T + min(k0 + i, T - 1));
   if (w.c != nullptr) {
     const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
     for (int j = i; j < 4 * HD; j += kThreads - 128) {  // over the 256 consumer threads
@@ -280,11 +275,11 @@ __device__ __forceinline__ void finish_kv_rows(float (&dk)[HD / 2], float (&dv)[
   const int g = lane >> 2, t = lane & 3;
   const bool layernorm = w.c != nullptr;
   bool valid[2];
-  float rstd[2], rstd_mean[2], dots[3][2] = {};
+  float rstd[2], dots[3][2] = {};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     valid[h] = warp_key0 + g + 8 * h < T;
-    rstd[h] = rows[tile_row + 8 * h], rstd_mean[h] = rows[kBlockKeys + tile_row + 8 * h];
+    rstd[h] = rows[tile_row + 8 * h];
   }
 #pragma unroll
   for (int i = 0; i < HD / 2; i += 2) {
@@ -319,23 +314,18 @@ __device__ __forceinline__ void finish_kv_rows(float (&dk)[HD / 2], float (&dv)[
       dots[2][h] += dk[i] * bk.x + dk[i + 1] * bk.y + dv[i] * bv.x + dv[i + 1] * bv.y;
     }
   }
-  if (w.col_a != nullptr && warp_key0 < T) {
+  if (w.col_b != nullptr && warp_key0 < T) {
     const size_t group_row = (static_cast<size_t>(b) * kv.groups_per_seq + warp_key0 / kGroupRows) * qkv_dim;
     auto column_partials = [&](const float (&dz)[HD / 2], int cols) {
 #pragma unroll
       for (int block = 0; block < HD / 32; ++block) {  // 32 columns: 4 of the thread's pairs
-        float sum_a[8], sum_b[8];
+        float sum_b[8];
 #pragma unroll
         for (int v = 0; v < 8; ++v) {
           const int i = 4 * (4 * block + v / 2) + v % 2;  // row warp_key0 + g; i + 2: row + 8
-          const float lo = valid[0] ? dz[i] : 0.f, hi = valid[1] ? dz[i + 2] : 0.f;
-          sum_b[v] = lo + hi;
-          sum_a[v] = rstd_mean[0] * lo + rstd_mean[1] * hi;
+          sum_b[v] = (valid[0] ? dz[i] : 0.f) + (valid[1] ? dz[i + 2] : 0.f);
         }
-        const float a = sum_scattered<8>(sum_a, lane), bsum = sum_scattered<8>(sum_b, lane);
-        const size_t at = group_row + cols + 32 * block + 8 * (g >> 1) + 2 * t + (g & 1);
-        w.col_a[at] = a;
-        w.col_b[at] = bsum;
+        w.col_b[group_row + cols + 32 * block + 8 * (g >> 1) + 2 * t + (g & 1)] = sum_scattered<8>(sum_b, lane);
       }
     };
     column_partials(dk, k_cols);
@@ -616,15 +606,12 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
   constexpr int kDotSlots = kDots == 3 ? 4 : 1;            // per row, a power of two
   constexpr int kBatchValues = kBatchRows * kDotSlots;     // dot values per thread and batch
   constexpr int kLanesPerValue = 32 / kBatchValues;
-  __shared__ float s_rstd[kGroupRows], s_rstd_mean[kGroupRows];
+  __shared__ float s_rstd[kGroupRows];
   __shared__ float s_dots[kWriteoutMaxThreads / 32][kGroupRows * kDotSlots];
   const int b = blockIdx.x / groups_per_seq, t0 = blockIdx.x % groups_per_seq * kGroupRows;
   const int row0 = b * T + t0, rows = min(kGroupRows, T - t0), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x < kGroupRows) {
-    const float2 r = static_cast<int>(threadIdx.x) < rows ? rstd_and_scaled_mean(w.stats, row0 + threadIdx.x)
-                                                           : make_float2(0.f, 0.f);
-    s_rstd[threadIdx.x] = r.x, s_rstd_mean[threadIdx.x] = r.y;
-  }
+  if (threadIdx.x < kGroupRows)
+    s_rstd[threadIdx.x] = static_cast<int>(threadIdx.x) < rows ? row_rstd(w.stats, row0 + threadIdx.x) : 0.f;
   for (int i = threadIdx.x; i < kWriteoutMaxThreads / 32 * kGroupRows * kDotSlots; i += blockDim.x)
     (&s_dots[0][0])[i] = 0.f;
 
@@ -642,7 +629,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
       unfused::load_f32x8(c, w.c + col);
       unfused::load_f32x8(b_prime, w.b_prime + col);
     }
-    float col_a[8] = {}, col_b[8] = {};
+    float col_b[8] = {};
 #pragma unroll 1
     for (int r0 = 0; r0 < kGroupRows; r0 += kBatchRows) {
       // The batch's loads: dz (the scaled dQ accumulator) and z (the stored q).
@@ -654,7 +641,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
         unfused::load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
         z_raw[r] = __ldg(reinterpret_cast<const uint4*>(qkv + (static_cast<size_t>(b) * T + t) * qkv_dim + col));
       }
-      if (pass == 0 && r0 == 0) __syncthreads();  // s_rstd, s_rstd_mean and the zeroed s_dots are ready
+      if (pass == 0 && r0 == 0) __syncthreads();  // s_rstd and the zeroed s_dots are ready
       float dots[kBatchValues] = {};
 #pragma unroll
       for (int r = 0; r < kBatchRows; ++r) {
@@ -684,12 +671,9 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
             dots[r * kDotSlots + 2] += dz[r][i] * b_prime[i];
           }
         }
-        if (w.col_a != nullptr) {
+        if (w.col_b != nullptr) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            col_b[i] += dz[r][i];
-            col_a[i] += s_rstd_mean[r0 + r] * dz[r][i];
-          }
+          for (int i = 0; i < 8; ++i) col_b[i] += dz[r][i];
         }
         const float rs = s_rstd[r0 + r];
         if (valid)
@@ -700,10 +684,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
       const float warp_total = warp_sum_scattered<kBatchValues>(dots, lane);
       if (lane % kLanesPerValue == 0) s_dots[warp][r0 * kDotSlots + lane / kLanesPerValue] += warp_total;
     }
-    if (w.col_a != nullptr && active) {
-      unfused::store_f32x8(w.col_a + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_a);
-      unfused::store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
-    }
+    if (w.col_b != nullptr && active) unfused::store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < rows * kDots; i += blockDim.x) {
@@ -730,10 +711,8 @@ void validate_writeout(const AttentionWriteout& w) {
   const bool ln_dots = w.c != nullptr;
   if (ln_dots != (w.b_prime != nullptr) || ln_dots != (w.dot_c != nullptr) || ln_dots != (w.dot_b != nullptr))
     fail("c, b_prime, dot_c, dot_b: all or none");
-  if ((w.col_a != nullptr) != (w.col_b != nullptr)) fail("col_a, col_b: both or none");
-  if (w.col_a != nullptr && w.stats.sum == nullptr) fail("col_a needs stats.sum (the LayerNorm mean)");
-  if (!aligned16(w.c) || !aligned16(w.b_prime) || !aligned16(w.col_a) || !aligned16(w.col_b))
-    fail("c, b_prime, col_a, col_b must be 16-byte aligned");
+  if (!aligned16(w.c) || !aligned16(w.b_prime) || !aligned16(w.col_b))
+    fail("c, b_prime, col_b must be 16-byte aligned");
 }
 
 int groups_per_sequence(int T) { return (T + kGroupRows - 1) / kGroupRows; }

@@ -8,16 +8,16 @@
 //   dlogits             softmax - onehot, the one elementwise pass over the logits that remains, with the
 //                       row dots of the final norm's backward;
 //   ln_weight_vectors   LayerNorm's weight-derived vectors c = W gamma, b' = W beta + bias (once per step);
-//   add_column_partials finishing column partials (ColDot) into parameter gradients;
-//   ln_wgrad_correction the rank-1 terms of a LayerNormed weight gradient (below).
+//   add_column_partials finishing column partials (ColDot) into parameter gradients.
 //
 // The scaled-gradient convention of the CODA mode: the gradient dz of a GEMM that follows a norm
 // (QKV, gate/up or fc, LM head) is handed on as dz' = r dz, r the norm's rstd per row. Then the weight
-// gradient is a plain GEMM against the saved O = h (.) gamma, which is what that GEMM read:
-//   RMSNorm:   dW = dz^T u = dz^T diag(r) O = dz'^T O;
-//   LayerNorm: u = r O - r mu gamma + beta, so dW = dz'^T O - a gamma^T + b beta^T with the column sums
-//              a = sum over rows of dz' mu and b = sum over rows of dz (b is also the bias gradient), or,
-//              where the dgrad stored u / r (the LM head), dW = dz'^T (u / r) with nothing to add;
+// gradient is a plain GEMM:
+//   RMSNorm:   dW = dz^T u = dz^T diag(r) O = dz'^T O, against the saved O = h (.) gamma that the forward
+//              GEMM read;
+//   LayerNorm: u = r O - r mu gamma + beta is not r O, so the dgrad, which holds h and the row statistics,
+//              stores u / r = (h - mu) (.) gamma + beta / r over O, and dW = dz'^T (u / r) (the bias
+//              gradient, the column sums of dz, from column partials);
 // and the dgrad accumulator is D' = dz' W = r du, the form the norm-backward programs take.
 // Row dots for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are always taken on the UNSCALED dz.
 //
@@ -52,7 +52,7 @@ void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* ls
 //   dot_z[row] = <dz, logits>, and for LayerNorm (c != nullptr) dot_c[row] = <dz, c>,
 //   dot_b[row] = <dz, b'> (c, b' [Vp]: the head's weight-derived vectors) — row partials, count 1;
 //   dlogits = r dz with r = stats.rstd(row) (the scaled-gradient convention above). No column partials:
-//   the head's weight gradient needs none (gpt2_programs.cuh, head_ln_backward_program).
+//   the head's weight gradient needs none (gpt2_programs.cuh, ln_backward_program).
 struct DlogitsArgs {
   bf16* dlogits = nullptr;
   const bf16* logits = nullptr;
@@ -82,11 +82,5 @@ struct ColumnPartials {
 };
 void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups, int ld, int n, float scale,
                          cudaStream_t stream);
-
-// The LayerNorm terms of a weight gradient computed as dz'^T O (see above): with a = sum_g col_a[g, :],
-// b = sum_g col_b[g, :] ([groups, rows] partials),
-//   dW[n, k] += b[n] beta[k] - a[n] gamma[k]   (dW [rows, d] fp32),   dbias[n] += b[n] (when not nullptr).
-void ln_wgrad_correction(float* dW, float* dbias, const float* col_a, const float* col_b, int groups, int rows,
-                         int d, const bf16* gamma, const bf16* beta, cudaStream_t stream);
 
 }  // namespace coda::fused

@@ -1,10 +1,7 @@
 // Finishing column partials ([groups, ld] fp32, one row per row group of their producer: a GEMM
-// epilogue's ColDot, the dlogits pass, the attention write-out) into parameter gradients:
+// epilogue's ColDot, the attention write-out) into parameter gradients:
 //   add_column_partials   grad[j] += scale * sum_g partials[g, j]  (norm gammas and betas, biases), for up
-//                         to three (grad, partials) pairs of the same shape in one launch;
-//   ln_wgrad_correction   dW[n, k] += b[n] beta[k] - a[n] gamma[k], a and b the column sums of col_a and
-//                         col_b (the LayerNorm terms of a weight gradient computed as dz'^T O, fused.cuh),
-//                         and dbias[n] += b[n].
+//                         to three (grad, partials) pairs of the same shape in one launch.
 //
 // A block owns a tile of 32 columns (8 threads of one 16-byte load each per partial row, so a warp reads
 // four 128-byte rows) and 32 partial rows at a time. The partial rows may be many (a GEMM's 16-row
@@ -12,8 +9,6 @@
 // GPU idle: the groups are split over the blocks of a thread-block cluster (up to 8, about 256 groups
 // each), each block sums its share into shared memory in a fixed order, and the totals are the sum of the
 // cluster's shares in rank order (kernels/cluster.cuh). Deterministic, no atomics, no workspace.
-// In ln_wgrad_correction every block of the cluster reads the tile's totals a, b and then updates its
-// share of the tile's 32 rows of dW (rows rank, rank + cluster size, ...), 16 bytes at a time.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -22,7 +17,6 @@
 #include "kernels/cluster.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/kernel_profile.cuh"
-#include "kernels/unfused/vec.cuh"
 
 namespace coda::fused {
 
@@ -99,36 +93,6 @@ __global__ void __launch_bounds__(kThreads) add_column_partials_kernel(ColumnSum
   cluster.sync();
 }
 
-__global__ void __launch_bounds__(kThreads) ln_wgrad_correction_kernel(float* dW, float* dbias, const float* col_a,
-                                                                       const float* col_b, int groups, int rows, int d,
-                                                                       const bf16* gamma, const bf16* beta) {
-  __shared__ TileSums<2> tile;
-  __shared__ float a[kTileCols], b[kTileCols];
-  const int n0 = blockIdx.y * kTileCols;
-  tile_column_sums<2>(tile, {col_a, col_b}, groups, rows, n0, rows);
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  if (threadIdx.x < kTileCols) {
-    a[threadIdx.x] = sum_over_cluster(&tile.sums[0][threadIdx.x]);
-    b[threadIdx.x] = sum_over_cluster(&tile.sums[1][threadIdx.x]);
-    if (dbias != nullptr && cluster.block_rank() == 0 && n0 + threadIdx.x < rows) dbias[n0 + threadIdx.x] += b[threadIdx.x];
-  }
-  cluster.sync();  // the cluster's sums are read; this also makes a, b visible to the whole block
-
-  const int blocks = cluster.num_blocks(), rank = cluster.block_rank();
-  const int my_rows = (min(kTileCols, rows - n0) - rank + blocks - 1) / blocks, packets = d / 8;
-  for (int i = threadIdx.x; i < my_rows * packets; i += kThreads) {
-    const int t = rank + (i / packets) * blocks, k = 8 * (i % packets);
-    float* dst = dW + static_cast<size_t>(n0 + t) * d + k;
-    float w[8], g[8], be[8];
-    unfused::load_f32x8(w, dst);
-    unfused::load_bf16x8(g, gamma + k);
-    unfused::load_bf16x8(be, beta + k);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) w[j] += b[t] * be[j] - a[t] * g[j];
-    unfused::store_f32x8(dst, w);
-  }
-}
-
 // Blocks per cluster for `groups` partial rows: about kGroupsPerBlock each, at most kMaxClusterBlocks.
 int cluster_blocks_for(int groups) {
   return std::clamp((groups + kGroupsPerBlock - 1) / kGroupsPerBlock, 1, kMaxClusterBlocks);
@@ -170,17 +134,6 @@ void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups,
   if (count == 1) return launch_add_column_partials<1>(list, groups, ld, n, scale, stream);
   if (count == 2) return launch_add_column_partials<2>(list, groups, ld, n, scale, stream);
   launch_add_column_partials<3>(list, groups, ld, n, scale, stream);
-}
-
-void ln_wgrad_correction(float* dW, float* dbias, const float* col_a, const float* col_b, int groups, int rows,
-                         int d, const bf16* gamma, const bf16* beta, cudaStream_t stream) {
-  const profile::Region region("ln wgrad correction", stream);
-  require_float4_columns("fused::ln_wgrad_correction", rows, rows);
-  if (d % 8 != 0)
-    throw std::invalid_argument("fused::ln_wgrad_correction: d = " + std::to_string(d) + " must be a multiple of 8");
-  if (groups <= 0 || rows == 0) return;
-  launch_clustered(ln_wgrad_correction_kernel, cluster_blocks_for(groups), (rows + kTileCols - 1) / kTileCols,
-                   kThreads, stream, dW, dbias, col_a, col_b, groups, rows, d, gamma, beta);
 }
 
 }  // namespace coda::fused

@@ -10,12 +10,12 @@
 // dz' = r dz, so the dgrad accumulator is D' = dz' W = r du and, with x_hat = (h - mu) r,
 //   dh = D' (.) gamma - k h + e,   k = r^2 S2 / d,  e = k mu - r S1 / d,
 //   S1 = <dz, c>,  S2 = <dz, z> - <dz, b'>     (row dots of the UNSCALED dz, taken by its producer),
-//   dgamma = colsum(D' (.) (h - mu)),  dbeta = colsum(D' / r);
-// and the weight gradient is dW = dz'^T O - a gamma^T + b beta^T with the column sums a = colsum(dz' mu),
-// b = colsum(dz) (also the bias gradient), fused::ln_wgrad_correction. The LM head (no bias) takes the
-// other road: its dgrad program, which holds h and the row statistics anyway, stores u / r = (h - mu)
-// (.) gamma + beta / r, and the weight gradient is the plain dz'^T (u / r) = dz^T u, with no column partials
-// of the logits' gradient at all.
+//   dgamma = colsum(D' (.) (h - mu)),  dbeta = colsum(D' / r).
+// The weight gradient dW = dz^T u needs the LayerNorm output u, which no forward epilogue can write (its
+// row statistics are complete only after the GEMM that produced h). The dgrad program, which holds h and
+// the row statistics anyway, stores u / r = (h - mu) (.) gamma + beta / r over O (read by the forward's
+// GEMM only), and the weight gradient is the plain dz'^T (u / r) = dz^T u; the bias gradient is colsum(dz),
+// column partials of dz's producer.
 // The residual gradient d_residual is loaded by each LayerNorm backward (TileLoad<Add>), summed with dh
 // and stored in place; its column sums on the way out are the bias gradient of the projection whose
 // output it is the gradient of (the attention out-projection, or the MLP projection of the layer below).
@@ -65,23 +65,16 @@ inline auto residual_program(const bf16* res, const bf16* bias, bf16* h, int d, 
                       ColBroadcast<Mul, bf16>(gamma_next));
 }
 
-// The column partials of a LayerNormed GEMM's gradient that its weight gradient's rank-1 terms need
-// ([groups of 16 rows, n]): col_b = colsum(dz) (the bias gradient), col_a = colsum(dz' mu).
-struct LnGradColumns {
-  float* col_a = nullptr;
-  float* col_b = nullptr;
-};
-
 // MLP projection dgrad with the GELU backward and the fc's LayerNorm statistics: the accumulator
 // D = dres Wproj is the gradient of gelu(pre); dz = D gelu'(pre) (the gradient of the fc output z = pre);
-// its column sums col_b, its row dots <dz, pre>, <dz, c_fc>, <dz, b'_fc> (the fc dgrad's S1, S2); then
-// dz' = r dz (stats: the LayerNorm before fc) as main output [M, f], and col_a = colsum(dz' mu).
+// its column partials col_b ([groups of 16 rows, f]: the fc bias gradient), its row dots <dz, pre>,
+// <dz, c_fc>, <dz, b'_fc> (the fc dgrad's S1, S2); then dz' = r dz (stats: the LayerNorm before fc) as
+// main output [M, f].
 inline auto proj_dgrad_program(const bf16* pre, int f, const NormPartials& stats, const float* c,
-                               const float* b_prime, const LnDots& dots, const LnGradColumns& cols) {
-  return make_program(RowStage<LnRows>(LnRows{stats}), TileLoad<GeluGradMul>(pre, f),
-                      ColDot<Ones>(Ones{}, cols.col_b, f), RowDot<Tile>(Tile{pre, f}, dots.z),
-                      RowDot<ColVector>(ColVector{c}, dots.c), RowDot<ColVector>(ColVector{b_prime}, dots.b),
-                      RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{}), ColDot<RowOf<LnMean>>(LnMean{}, cols.col_a, f));
+                               const float* b_prime, const LnDots& dots, float* col_b) {
+  return make_program(RowStage<LnRows>(LnRows{stats}), TileLoad<GeluGradMul>(pre, f), ColDot<Ones>(Ones{}, col_b, f),
+                      RowDot<Tile>(Tile{pre, f}, dots.z), RowDot<ColVector>(ColVector{c}, dots.c),
+                      RowDot<ColVector>(ColVector{b_prime}, dots.b), RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{}));
 }
 
 // The column partials a LayerNorm backward writes ([groups of 16 rows, d] each): dgamma, dbeta, and the
@@ -125,32 +118,19 @@ struct LnOutputOverRstd {
 };
 
 // Dgrad of a LayerNormed GEMM (QKV, fc, LM head) with the LayerNorm backward: accumulator D' = r du;
-// d_residual [M, d] += D' (.) gamma - k h + e, stored in place (the GEMM's output is d_residual), followed
-// by the primitives `rest`. stats: the norm's partials; dots: the row dots of its input gradient dz; h: the
-// norm's input (tile input 0), d_residual tile input 1.
-template <class... Rest>
-inline auto ln_backward_then(const NormPartials& stats, const LnDots& dots, const bf16* h, int d, const bf16* gamma,
-                             const bf16* d_residual, const LnBackwardColumns& cols, const Rest&... rest) {
+// d_residual [M, d] += D' (.) gamma - k h + e, stored in place (the GEMM's output is d_residual), and u / r
+// [M, d] (bf16) for the GEMM's weight gradient dW = dz'^T (u / r). stats: the norm's partials; dots: the
+// row dots of its input gradient dz; h: the norm's input (tile input 0), d_residual tile input 1.
+inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d, const bf16* gamma,
+                                const bf16* beta, const bf16* d_residual, const LnBackwardColumns& cols,
+                                bf16* norm_out_over_rstd) {
   return make_program(RowStage<LnBackwardRows>(LnBackwardRows{stats, dots}),
                       ColDot<RowOf<LnInvRstd>>(LnInvRstd{}, cols.dbeta, d),
                       ColDot<Centered>(Centered(Tile{h, d}, LnMean{}), cols.dgamma, d), ColBroadcast<Mul, bf16>(gamma),
                       SubScaled<Tile, RowOf<LnBackwardK>>(LnBackwardK{}, Tile{h, d}),
                       RowBroadcast<Add, RowOf<LnBackwardE>>(LnBackwardE{}), TileLoad<Add, 1>(d_residual, d),
-                      ColDot<Ones>(Ones{}, cols.residual, d), rest...);
-}
-
-// QKV and fc: their weight gradients take the rank-1 terms (fused::ln_wgrad_correction).
-inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
-                                const bf16* gamma, const bf16* d_residual, const LnBackwardColumns& cols) {
-  return ln_backward_then(stats, dots, h, d, gamma, d_residual, cols);
-}
-
-// LM head: also u / r [M, d] (bf16) for its weight gradient dW = dz'^T (u / r).
-inline auto head_ln_backward_program(const NormPartials& stats, const LnDots& dots, const bf16* h, int d,
-                                     const bf16* gamma, const bf16* beta, const bf16* d_residual,
-                                     const LnBackwardColumns& cols, bf16* norm_out_over_rstd) {
-  return ln_backward_then(stats, dots, h, d, gamma, d_residual, cols,
-                          StoreAuxOf<bf16, LnOutputOverRstd>(LnOutputOverRstd(h, d, gamma, beta), norm_out_over_rstd, d));
+                      ColDot<Ones>(Ones{}, cols.residual, d),
+                      StoreAuxOf<bf16, LnOutputOverRstd>(LnOutputOverRstd(h, d, gamma, beta), norm_out_over_rstd, d));
 }
 
 }  // namespace coda::prog::gpt2
