@@ -1,10 +1,10 @@
 // Column sums out[j] += sum_n x[n, j] of a bf16 matrix: the bias gradients (db = column sums of dY).
 //
 // The grid is (column tiles, row slabs). In a block of 256 threads, 8 adjacent columns per thread (one
-// 16-byte load per row), a row's tile is read by tile / 8 lanes and the block's row groups take
-// interleaved rows of the slab, 16 rows in flight per thread, all their loads issued before any is added
-// (past the slab's end a thread reloads its last row and drops it, so no branch splits the loads); the
-// groups' sums meet in shared memory: the slab's partial row. Two ways to add the slabs' partials, in an
+// 16-byte load per row), a row's part of the tile is read by (tile width) / 8 threads, and the block's row
+// groups take interleaved rows of the slab, 16 rows in flight per thread, all their loads issued before any
+// is added (past the slab's end a thread reloads its last row and drops it, so no branch splits the loads);
+// the groups' sums meet in shared memory: the slab's partial row. Two ways to add the slabs' partials, in an
 // order fixed by the launch shape alone (results are bitwise reproducible on a given device):
 //  * a cluster per column tile (narrow matrices, whose 64-column tiles all fit on the device at once as
 //    clusters of 16 blocks: [N, 768]): the 16 slabs of a tile are the 16 blocks of one thread-block
