@@ -133,7 +133,8 @@ void report(const std::string& model, const std::string& kernel, double bytes, i
   if (model != "device" && kernel.find(kernel_filter) == std::string::npos) return;
   const Timing t = measure(launch, sets);
   rows.push_back({model, kernel, bytes, t});
-  std::printf("%-6s %-36s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%   run of 12 %9.1f us %6.1f%%   isolated %9.1f us %6.1f%%\n",
+  std::printf("%-6s %-36s %9.1f MB %9.1f us %8.0f GB/s %6.1f%%   run of 12 %9.1f us %6.1f%%   isolated %9.1f us "
+              "%6.1f%%\n",
               model.c_str(), kernel.c_str(), bytes / 1e6, t.ms * 1e3, bytes / t.ms / 1e6, percent(bytes, t.ms),
               t.run_ms * 1e3, percent(bytes, t.run_ms), t.isolated_ms * 1e3, percent(bytes, t.isolated_ms));
   std::fflush(stdout);

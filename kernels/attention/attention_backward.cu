@@ -37,8 +37,8 @@
 // main kernel, on the dK, dV it holds when its loop ends (finish_kv_rows): the row dots <dz, z> against
 // the k and v its K and V tiles still hold, the inverse RoPE of dk, the LayerNorm dots <dz, c>, <dz, b'>,
 // the column partials (sum dz: the qkv bias gradient) over each warp's 16 keys, then dz' = r dz is what
-// it stores; its row dots go per (token, kv head) to kv_dots. The q columns in a per-row pass that replaces the dQ
-// conversion: one block = one column-partial group of kGroupRows consecutive positions of one sequence,
+// it stores; its row dots go per (token, kv head) to kv_dots. The q columns in a per-row pass that replaces
+// the dQ conversion: one block = one column-partial group of kGroupRows consecutive positions of one sequence,
 // its threads over 8-column chunks of the q columns, each chunk walked down the group's rows in batches of
 // kBatchRows rows whose loads are issued together (a streaming pass; one row's loads at a time per thread
 // left it at a third of the memory bandwidth). Per element: dz = scale * dQ accumulator, the row dot
@@ -236,21 +236,16 @@ struct KvWriteout {
   int groups_per_seq = 0;       // column-partial groups of a sequence, ceil(T / kGroupRows)
 };
 
-// r of a row, finished from the norm's row partials (RMSNorm without sums, LayerNorm with them).
-__device__ __forceinline__ float row_rstd(const prog::NormPartials& stats, int row) {
-  return stats.sum == nullptr ? stats.rms_rstd(row) : stats.ln_stats(row).rstd;
-}
-
 // The write-out's inputs of this block that are not tiles, staged in shared memory by the consumers
 // before their first product, so that their loads overlap the K and V tiles' TMA instead of adding to the
 // block's tail (one block per SM): r of the block's kBlockKeys keys (rows[key]), and for LayerNorm c and b'
-// of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b'
-// of v, HD each). i: the consumer thread, 0..255.
+// of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b' of v, HD each). i: the consumer
+// thread, 0..255.
 template <int HD>
 __device__ __forceinline__ void stage_writeout_inputs(const KvWriteout& kv, float* rows, float* vecs, int i, int k0,
                                                       int b, int T, int kvh, int n_head, int n_kv_head) {
   const AttentionWriteout& w = kv.w;
-  if (i < kBlockKeys) rows[i] = row_rstd(w.stats, b * T + min(k0 + i, T - 1));
+  if (i < kBlockKeys) rows[i] = w.stats.rstd(b * T + min(k0 + i, T - 1));
   if (w.c != nullptr) {
     const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
     for (int j = i; j < 4 * HD; j += kThreads - 128) {  // over the 256 consumer threads
@@ -611,7 +606,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
   const int b = blockIdx.x / groups_per_seq, t0 = blockIdx.x % groups_per_seq * kGroupRows;
   const int row0 = b * T + t0, rows = min(kGroupRows, T - t0), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x < kGroupRows)
-    s_rstd[threadIdx.x] = static_cast<int>(threadIdx.x) < rows ? row_rstd(w.stats, row0 + threadIdx.x) : 0.f;
+    s_rstd[threadIdx.x] = static_cast<int>(threadIdx.x) < rows ? w.stats.rstd(row0 + threadIdx.x) : 0.f;
   for (int i = threadIdx.x; i < kWriteoutMaxThreads / 32 * kGroupRows * kDotSlots; i += blockDim.x)
     (&s_dots[0][0])[i] = 0.f;
 
@@ -684,7 +679,8 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
       const float warp_total = warp_sum_scattered<kBatchValues>(dots, lane);
       if (lane % kLanesPerValue == 0) s_dots[warp][r0 * kDotSlots + lane / kLanesPerValue] += warp_total;
     }
-    if (w.col_b != nullptr && active) unfused::store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
+    if (w.col_b != nullptr && active)
+      unfused::store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < rows * kDots; i += blockDim.x) {
