@@ -43,7 +43,8 @@ __device__ __forceinline__ float sum_over_cluster(float* local) {
 }
 
 // Launches kernel on a grid (cluster_blocks, blocks_y) of `threads`-thread blocks in clusters of
-// (cluster_blocks, 1, 1), and checks the launch.
+// (cluster_blocks, 1, 1) with PDL (kernels/launch.cuh: the kernel calls start_after_previous_kernel()
+// before its first global memory access), and checks the launch.
 template <typename... Params, typename... Args>
 void launch_clustered(void (*kernel)(Params...), int cluster_blocks, int blocks_y, int threads, cudaStream_t stream,
                       Args&&... args) {
@@ -51,7 +52,7 @@ void launch_clustered(void (*kernel)(Params...), int cluster_blocks, int blocks_
     throw std::invalid_argument("launch_clustered: " + std::to_string(blocks_y) + " blocks along y exceed 65535");
   launch_kernel(kernel,
                 {dim3(static_cast<unsigned int>(cluster_blocks), static_cast<unsigned int>(blocks_y)),
-                 dim3(static_cast<unsigned int>(threads)), 0, static_cast<unsigned int>(cluster_blocks)},
+                 dim3(static_cast<unsigned int>(threads)), 0, static_cast<unsigned int>(cluster_blocks), true},
                 stream, std::forward<Args>(args)...);
 }
 

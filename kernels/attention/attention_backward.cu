@@ -66,6 +66,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -80,36 +81,40 @@ namespace {
 using namespace attention_detail;
 
 // Per (b, h, t) row of [B, n_head, T_pad] (T_pad: T rounded up to whole query steps): D = sum_d dO * O and
-// lse * log2 e, both fp32; rows past T get D = 0 and lse = +inf (so their P is exactly 0). One warp per row;
-// the warps of rows below T also clear their row of the dQ accumulator [B, n_head, T, HD].
+// lse * log2 e, both fp32; rows past T get D = 0 and lse = +inf (so their P is exactly 0). A streaming
+// pass: each thread owns one 8-column chunk of a row (16-byte loads of dO and O, two 16-byte zero stores of
+// its part of the row of the dQ accumulator [B, n_head, T, HD], which rows below T clear), the row's HD / 8
+// threads are adjacent lanes and sum D with shuffles. (One warp per row with 4-byte loads and scalar stores
+// ran at about 40% of the memory bandwidth.)
 template <int HD>
 __global__ void attention_backward_prologue_kernel(float* lse2, float* dsum, float* dq_accum, const bf16* dout,
                                                    const bf16* out, const float* lse, int B, int T, int T_pad,
                                                    int n_head) {
-  const size_t row = (static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // (b*n_head + h)*T_pad + t
-  const int lane = threadIdx.x & 31;
+  constexpr int kRowThreads = HD / 8;  // 8 or 16: a power of two that divides the warp
+  const size_t chunk = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t row = chunk / kRowThreads;  // (b*n_head + h)*T_pad + t
+  const int d = static_cast<int>(chunk % kRowThreads) * 8;
   if (row >= static_cast<size_t>(B) * n_head * T_pad) return;
   const size_t bh = row / T_pad, t = row % T_pad;
   if (t >= static_cast<size_t>(T)) {
-    if (lane == 0) dsum[row] = 0.f, lse2[row] = INFINITY;
+    if (d == 0) dsum[row] = 0.f, lse2[row] = INFINITY;
     return;
   }
   const size_t b = bh / n_head, h = bh % n_head, head_row = bh * T + t;  // [B, n_head, T]
-  constexpr int kPerLane = HD / 32;
-  const size_t token_head = ((b * T + t) * n_head + h) * HD + lane * kPerLane;  // [B, T, n_head, HD]
+  const size_t token_head = ((b * T + t) * n_head + h) * HD + d;         // [B, T, n_head, HD]
+  float o[8], g[8];
+  unfused::load_bf16x8(o, out + token_head);
+  unfused::load_bf16x8(g, dout + token_head);
   float acc = 0.f;
 #pragma unroll
-  for (int i = 0; i < kPerLane; i += 2) {
-    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + token_head + i));
-    const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + token_head + i));
-    acc += o.x * d.x + o.y * d.y;
-  }
+  for (int i = 0; i < 8; ++i) acc += o[i] * g[i];
+  // The row's lanes only: a warp's other rows may be past T (returned above).
+  const unsigned row_lanes = ((1u << kRowThreads) - 1) << (threadIdx.x % 32 / kRowThreads * kRowThreads);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) dsum[row] = acc, lse2[row] = lse[head_row] * kLog2e;
-  float* dq = dq_accum + head_row * HD + lane * kPerLane;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) dq[i] = 0.f;
+  for (int off = kRowThreads / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(row_lanes, acc, off);
+  if (d == 0) dsum[row] = acc, lse2[row] = lse[head_row] * kLog2e;
+  const float zeros[8] = {};
+  unfused::store_f32x8(dq_accum + head_row * HD + d, zeros);
 }
 
 // ---- the main kernel: TMA + wgmma, a producer warpgroup and two consumer warpgroups --------------------
@@ -758,7 +763,8 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
   float* lse2 = dsum + stat_rows;
   float* kv_dots = lse2 + stat_rows;  // [B*T][n_kv_head][1 or 3], with a write-out
-  attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * 32 + 255) / 256), 256, 0, stream>>>(
+  std::optional<profile::Region> region(std::in_place, "attention backward: prologue", stream);
+  attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * (HD / 8) + 255) / 256), 256, 0, stream>>>(
       lse2, dsum, dq_accum, dout, out, lse, s.B, s.T, T_pad, s.n_head);
   CUDA_CHECK_LAUNCH();
 
@@ -773,6 +779,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int n_pairs = s.B * s.n_kv_head, n_kblocks = (s.T + kBlockKeys - 1) / kBlockKeys;
   const int group_pairs = Tuning<HD>::kGroupPairs > 0 ? std::min(Tuning<HD>::kGroupPairs, n_pairs) : n_pairs;
+  region.emplace("attention backward: main", stream);
   KvWriteout kv;
   if (writeout != nullptr) {
     kv.w = *writeout, kv.dots = kv_dots;
@@ -783,9 +790,11 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   CUDA_CHECK_LAUNCH();
 
   if (writeout != nullptr) {
+    region.emplace("attention backward: write-out", stream);
     launch_writeout<HD>(dqkv, dq_accum, qkv, kv_dots, *writeout, s, scale, stream);
     return;
   }
+  region.emplace("attention backward: dq conversion", stream);
   const size_t chunks = static_cast<size_t>(s.B) * s.T * s.n_head * HD / 8;
   attention_backward_epilogue_kernel<HD><<<static_cast<unsigned>((chunks + 255) / 256), 256, 0, stream>>>(
       dqkv, dq_accum, s.B, s.T, s.n_head, s.n_kv_head, scale);
@@ -803,7 +812,6 @@ size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         void* workspace, const AttentionShape& shape, cudaStream_t stream,
                         const AttentionWriteout* writeout) {
-  const profile::Region region("attention backward", stream);
   validate_attention_shape(shape);
   if (writeout != nullptr) validate_writeout(*writeout);
   if (shape.head_dim == 64)

@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(kThreads) add_column_partials_kernel(ColumnSum
                                                                        int n, float scale) {
   __shared__ TileSums<kArrays> tile;
   const int col0 = blockIdx.y * kTileCols;
+  start_after_previous_kernel();
   tile_column_sums<kArrays>(tile, sums.partials, groups, ld, col0, n);
   cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   if (cluster.block_rank() == 0 && threadIdx.x < kTileCols && col0 + threadIdx.x < n)

@@ -109,6 +109,7 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
   cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
   const int group = blockIdx.y, row0 = group * kGroupRows, rows = min(kGroupRows, args.N - row0);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  start_after_previous_kernel();
 
   for (int r = threadIdx.x; r < rows; r += kThreads) {
     const int row = row0 + r;
