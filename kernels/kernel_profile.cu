@@ -19,6 +19,7 @@ namespace {
 
 struct Record {
   std::string label;
+  Work work;
   cudaEvent_t start, end;
 };
 
@@ -37,13 +38,14 @@ class Registry {
       double ms = 0.0;
     };
     std::map<std::string, Total> totals;
-    double all = 0.0;
+    double all = 0.0, by_work[kWorkKinds] = {};
     for (const Record& r : records_) {
       float ms = 0.0f;
       if (cudaEventSynchronize(r.end) != cudaSuccess || cudaEventElapsedTime(&ms, r.start, r.end) != cudaSuccess)
         continue;
       totals[r.label].calls++;
       totals[r.label].ms += ms;
+      by_work[static_cast<int>(r.work)] += ms;
       all += ms;
     }
     std::vector<std::pair<std::string, Total>> rows(totals.begin(), totals.end());
@@ -53,6 +55,7 @@ class Registry {
     for (const auto& [label, t] : rows)
       std::printf("%10.3f %6d %10.1f %5.1f%%  %s\n", t.ms, t.calls, 1e3 * t.ms / t.calls, 100.0 * t.ms / all,
                   label.c_str());
+    std::printf("%s", work_summary(by_work).c_str());
   }
 
  private:
@@ -79,7 +82,40 @@ bool enabled() {
 
 void set_recording(bool on) { recording = on; }
 
-Region::Region(std::string label, cudaStream_t stream) : label_(std::move(label)), stream_(stream) {
+const char* work_name(Work work) {
+  switch (work) {
+    case Work::Gemm: return "GEMMs";
+    case Work::Attention: return "attention";
+    case Work::Epilogue: return "unfused epilogue operations";
+    case Work::Other: return "other";
+  }
+  return "?";
+}
+
+std::string work_summary(const double (&ms)[kWorkKinds]) {
+  double all = 0.0;
+  for (double t : ms) all += t;
+  if (all <= 0.0) return "";
+  std::string out = "by kind of work:";
+  char line[160];
+  for (int w = 0; w < kWorkKinds; ++w) {
+    std::snprintf(line, sizeof line, "%s %s %.3f ms (%.1f%%)", w == 0 ? "" : ",", work_name(static_cast<Work>(w)),
+                  ms[w], 100.0 * ms[w] / all);
+    out += line;
+  }
+  out += "\n";
+  const double epilogue = ms[static_cast<int>(Work::Epilogue)];
+  if (epilogue > 0.0 && epilogue < all) {
+    std::snprintf(line, sizeof line,
+                  "fusion bound: with free epilogues and these GEMMs and attention, at most %.3fx faster\n",
+                  all / (all - epilogue));
+    out += line;
+  }
+  return out;
+}
+
+Region::Region(std::string label, Work work, cudaStream_t stream)
+    : label_(std::move(label)), work_(work), stream_(stream) {
   if (!enabled() || !recording) return;
   registry();  // constructed before any event, so destroyed after the records are complete
   CUDA_CHECK(cudaEventCreate(&start_));
@@ -90,7 +126,7 @@ Region::~Region() {
   if (start_ == nullptr) return;
   cudaEvent_t end = nullptr;
   if (cudaEventCreate(&end) != cudaSuccess || cudaEventRecord(end, stream_) != cudaSuccess) return;
-  registry().add({std::move(label_), start_, end});
+  registry().add({std::move(label_), work_, start_, end});
 }
 
 std::string type_name(const char* mangled) {

@@ -4,6 +4,13 @@
 // the numbers are device time, with the launches still asynchronous; the events cost ~2 us per launch, so
 // use it to find where the time goes, not for the headline step time.
 // Without the variable a region costs one cached getenv check.
+//
+// Each region says what kind of work it is, and the table ends with the time per kind. In the unfused mode
+// that answers how much any fusion can buy at these GEMM and attention speeds: the kernels of kind
+// Epilogue (norms, activations, bias and residual adds, RoPE, bias gradients, the loss's forward pass) are
+// what a CODA program moves into a GEMM epilogue, so a step whose epilogues cost nothing and whose GEMMs
+// and attention ran as fast as these would take (total - epilogue work) of GPU time; the table prints
+// total / (total - epilogue work), the most fusion can speed this step up.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -17,19 +24,34 @@ bool enabled();
 // holds only the timed steps and not the first launches (module loading, cuBLASLt's plans).
 void set_recording(bool on);
 
+// What a kernel's time is spent on.
+enum class Work {
+  Gemm,       // a matrix product: cuBLASLt's, or the CODA GEMM with its epilogue program
+  Attention,  // the attention kernels (in the coda mode with the write-out of dqkv)
+  Epilogue,   // an unfused kernel of an operation that a CODA program runs in a GEMM epilogue
+  Other,      // what both modes run outside the GEMMs: embedding, dlogits, optimizer, column-partial sums
+};
+constexpr int kWorkKinds = 4;
+const char* work_name(Work work);
+
 // Times the launches enqueued on `stream` between construction and destruction under `label`.
 class Region {
  public:
-  Region(std::string label, cudaStream_t stream);
+  Region(std::string label, Work work, cudaStream_t stream);
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
 
  private:
   std::string label_;
+  Work work_;
   cudaStream_t stream_;
   cudaEvent_t start_ = nullptr;
 };
+
+// The table's last lines: the time per kind of work and, where there is epilogue work, the bound
+// total / (total - epilogue work). `ms` is indexed by Work.
+std::string work_summary(const double (&ms)[kWorkKinds]);
 
 // A readable name of a type (demangled, namespaces of the epilogue dropped), for labels of templates.
 std::string type_name(const char* mangled);

@@ -2,8 +2,9 @@
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores, run the GPU
 # tests (also under mpirun -np 1 for the communicator and ZeRO-1), `coda bench` of both modes on
 # gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048), the per-kernel GPU-time profile of each mode
-# (CODA_PROFILE=1), and a ZeRO-1 training run against the plain one; then print a summary table (the last
-# lines of the output).
+# (CODA_PROFILE=1; the unfused profile's fusion bound: the most any fusion can speed the step up at these
+# GEMM and attention speeds), and a ZeRO-1 training run against the plain one; then print a summary table
+# (the last lines of the output).
 #
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
@@ -82,6 +83,10 @@ printf '%-28s %s passed, %s failed, %s skipped\n' "GPU tests" "$(count '^\[     
 printf '%-28s %s passed, %s failed\n' "GPU tests, mpirun -np 1" "$(count '^\[       OK \]' "$logs/gpu_tests_mpi.log")" \
   "$(count '^\[  FAILED  \].*ms)' "$logs/gpu_tests_mpi.log")"
 printf '%-28s %s\n' "ZeRO-1 vs plain (tiny-gpt2)" "$zero1_same"
+for name in gpt2-124m llama3.2-1b; do  # the unfused profile's share of epilogue operations, and the bound
+  bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
+  printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"
+done
 printf '%-14s %-16s %10s %10s %7s %8s %8s %8s %8s\n' model backend "ms/step" "tokens/s" MFU "fwd ms" "bwd ms" "opt ms" anchor
 for run in gpt2-124m:62.1 llama3.2-1b:242; do
   name=${run%%:*} anchor=${run##*:}

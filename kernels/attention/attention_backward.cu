@@ -763,7 +763,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
   float* lse2 = dsum + stat_rows;
   float* kv_dots = lse2 + stat_rows;  // [B*T][n_kv_head][1 or 3], with a write-out
-  std::optional<profile::Region> region(std::in_place, "attention backward: prologue", stream);
+  std::optional<profile::Region> region(std::in_place, "attention backward: prologue", profile::Work::Attention, stream);
   attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * (HD / 8) + 255) / 256), 256, 0, stream>>>(
       lse2, dsum, dq_accum, dout, out, lse, s.B, s.T, T_pad, s.n_head);
   CUDA_CHECK_LAUNCH();
@@ -779,7 +779,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int n_pairs = s.B * s.n_kv_head, n_kblocks = (s.T + kBlockKeys - 1) / kBlockKeys;
   const int group_pairs = Tuning<HD>::kGroupPairs > 0 ? std::min(Tuning<HD>::kGroupPairs, n_pairs) : n_pairs;
-  region.emplace("attention backward: main", stream);
+  region.emplace("attention backward: main", profile::Work::Attention, stream);
   KvWriteout kv;
   if (writeout != nullptr) {
     kv.w = *writeout, kv.dots = kv_dots;
@@ -790,11 +790,11 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   CUDA_CHECK_LAUNCH();
 
   if (writeout != nullptr) {
-    region.emplace("attention backward: write-out", stream);
+    region.emplace("attention backward: write-out", profile::Work::Attention, stream);
     launch_writeout<HD>(dqkv, dq_accum, qkv, kv_dots, *writeout, s, scale, stream);
     return;
   }
-  region.emplace("attention backward: dq conversion", stream);
+  region.emplace("attention backward: dq conversion", profile::Work::Attention, stream);
   const size_t chunks = static_cast<size_t>(s.B) * s.T * s.n_head * HD / 8;
   attention_backward_epilogue_kernel<HD><<<static_cast<unsigned>((chunks + 255) / 256), 256, 0, stream>>>(
       dqkv, dq_accum, s.B, s.T, s.n_head, s.n_kv_head, scale);

@@ -236,7 +236,7 @@ void forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& s, cu
 }  // namespace
 
 void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionShape& shape, cudaStream_t stream) {
-  const profile::Region region("attention forward", stream);
+  const profile::Region region("attention forward", profile::Work::Attention, stream);
   validate_attention_shape(shape);
   if (shape.head_dim == 64)
     forward<64>(out, lse, qkv, shape, stream);

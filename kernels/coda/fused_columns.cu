@@ -120,7 +120,7 @@ void launch_add_column_partials(const ColumnSums<kMaxArrays>& all, int groups, i
 
 void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups, int ld, int n, float scale,
                          cudaStream_t stream) {
-  const profile::Region region("column partials", stream);
+  const profile::Region region("column partials", profile::Work::Other, stream);
   require_float4_columns("fused::add_column_partials", n, ld);
   ColumnSums<kMaxArrays> list{};
   int count = 0;

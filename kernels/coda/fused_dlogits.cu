@@ -227,7 +227,7 @@ void launch_dlogits_layernorm(const DlogitsArgs& args, cudaStream_t stream) {
 }  // namespace
 
 void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
-  const profile::Region region("dlogits", stream);
+  const profile::Region region("dlogits", profile::Work::Other, stream);
   if (args.Vp % 8 != 0 || args.vocab < 1 || args.vocab > args.Vp)
     throw std::invalid_argument("fused::dlogits: Vp = " + std::to_string(args.Vp) + " must be a multiple of 8 and vocab = " +
                                 std::to_string(args.vocab) + " in [1, Vp]");

@@ -165,7 +165,7 @@ void require_packets(int length, const char* what, const char* name) {
 
 void embedding_forward(bf16* h, bf16* O, float* sum, float* sumsq, const int32_t* tokens, const bf16* wte,
                        const bf16* wpe, const bf16* gamma, int B, int T, int C, cudaStream_t stream) {
-  const profile::Region region("embedding forward (coda)", stream);
+  const profile::Region region("embedding forward (coda)", profile::Work::Other, stream);
   require_packets(C, "fused::embedding_forward", "C");
   const int N = B * T;
   if (N == 0) return;
@@ -176,7 +176,7 @@ void embedding_forward(bf16* h, bf16* O, float* sum, float* sumsq, const int32_t
 
 void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* lse_partials, int count,
                         const float* target_logit, int N, cudaStream_t stream) {
-  const profile::Region region("loss from partials", stream);
+  const profile::Region region("loss from partials", profile::Work::Other, stream);
   if (count < 1) throw std::invalid_argument("fused::loss_from_partials: count = " + std::to_string(count));
   if (N == 0) return;
   loss_from_partials_kernel<<<unfused::blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
@@ -186,7 +186,7 @@ void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* ls
 
 void ln_weight_vectors(float* c, float* b_prime, const bf16* W, int rows, int d, const bf16* gamma,
                        const bf16* beta, const bf16* bias, cudaStream_t stream) {
-  const profile::Region region("ln weight vectors", stream);
+  const profile::Region region("ln weight vectors", profile::Work::Other, stream);
   require_packets(d, "fused::ln_weight_vectors", "d");
   if (rows == 0) return;
   ln_weight_vectors_kernel<<<unfused::blocks_for(rows, kRowWarps), kRowWarps * 32, 0, stream>>>(

@@ -88,7 +88,7 @@ void CublasLt::run(void* D, cudaDataType_t d_type, const __nv_bfloat16* A, Op op
                                                         std::to_string(K) + " " + ops[static_cast<int>(op_a)] +
                                                         ops[static_cast<int>(op_b)] + (accumulate ? " accumulate" : "")
                                                   : std::string(),
-                               stream);
+                               profile::Work::Gemm, stream);
   CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, B, p.b, A, p.a, &beta, D, p.d, D, p.d, &p.algo, workspace_,
                               kWorkspaceBytes, stream));
 }

@@ -72,7 +72,7 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   const profile::Region region(profile::enabled() ? gemm_profile_label(kLayout, tile, M, N, K) + " " +
                                                         profile::type_name(typeid(Program).name())
                                                   : std::string(),
-                               stream);
+                               profile::Work::Gemm, stream);
   epi::TileSource sources[epi::kMaxTileInputs];
   program.collect_tiles(sources);
   const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,

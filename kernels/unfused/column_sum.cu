@@ -223,7 +223,7 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
                                 ") must be multiples of 8 with cols <= ld and cols <= the workspace's " +
                                 std::to_string(ws.max_cols));
   if (rows <= 0) return;
-  const profile::Region region("column sum (bias gradient)", stream);
+  const profile::Region region("column sum (bias gradient)", profile::Work::Epilogue, stream);
   const int cluster_tiles = (cols + kClusterTileCols - 1) / kClusterTileCols;
   if (cluster_tiles <= cluster_capacity()) {
     LaunchShape shape = after_previous(dim3(kClusterSlabs, cluster_tiles), kThreads);

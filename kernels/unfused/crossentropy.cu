@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(256) crossentropy_backward_kernel(bf16* dlogit
 void crossentropy_forward(float* losses, float* lse, const bf16* logits, const int32_t* targets, int N, int V, int Vp,
                           cudaStream_t stream) {
   if (N == 0) return;
-  const profile::Region region("cross-entropy forward", stream);
+  const profile::Region region("cross-entropy forward", profile::Work::Epilogue, stream);
   launch_kernel(crossentropy_forward_kernel, after_previous(N, kForwardThreads), stream, losses, lse, logits, targets,
                 V, Vp);
 }
@@ -137,7 +137,7 @@ void crossentropy_backward(bf16* dlogits, const bf16* logits, const float* lse, 
                            int N, int V, int Vp, cudaStream_t stream) {
   const size_t threads = static_cast<size_t>(N) * (Vp / 8);
   if (threads == 0) return;
-  const profile::Region region("cross-entropy backward", stream);
+  const profile::Region region("cross-entropy backward", profile::Work::Other, stream);
   launch_kernel(crossentropy_backward_kernel, after_previous(blocks_for(threads, 256), 256), stream, dlogits, logits,
                 lse, targets, dloss, N, V, Vp);
 }

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(256) packet_kernel(size_t packets, Op op) {
 template <typename Op>
 void launch_packets(const char* label, size_t packets, const Op& op, cudaStream_t stream) {
   if (packets == 0) return;
-  const profile::Region region(label, stream);
+  const profile::Region region(label, profile::Work::Epilogue, stream);
   launch_kernel(packet_kernel<Op>, after_previous(blocks_for(packets, 256), 256), stream, packets, op);
 }
 

@@ -145,7 +145,7 @@ void embedding_forward(bf16* x, const int32_t* tokens, const bf16* wte, const bf
   const int N = B * T;
   dispatch_chunks(C, "embedding_forward", [&](auto chunks) {
     if (N == 0) return;
-    const profile::Region region("embedding forward", stream);
+    const profile::Region region("embedding forward", profile::Work::Other, stream);
     auto kernel = wpe != nullptr ? embedding_forward_kernel<decltype(chunks)::value, true>
                                  : embedding_forward_kernel<decltype(chunks)::value, false>;
     int per_sm = 0;
@@ -192,7 +192,7 @@ void embedding_backward(float* dwte, float* dwpe, const bf16* dx, const int32_t*
   const int items = num_buckets + (dwpe != nullptr ? T : 0);
   if (items == 0) return;
   dispatch_chunks(C, "embedding_backward", [&](auto chunks) {
-    const profile::Region region("embedding backward", stream);
+    const profile::Region region("embedding backward", profile::Work::Other, stream);
     launch_kernel(embedding_backward_kernel<decltype(chunks)::value>,
                   after_previous(blocks_for(items, kBackwardWarps), kBackwardWarps * 32), stream, dwte, dwpe, dx,
                   buckets, num_buckets, B, T, C);

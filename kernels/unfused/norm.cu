@@ -301,7 +301,7 @@ void launch_forward(bf16* y, float* mean, float* rstd, const bf16* x, const bf16
     const int blocks = static_cast<int>(std::min<size_t>(static_cast<size_t>(std::max(1, per_sm)) * sm_count(),
                                                          blocks_for(N, kForwardWarps)));
     if (blocks == 0) return;
-    const profile::Region region(kLayerNorm ? "layernorm forward" : "rmsnorm forward", stream);
+    const profile::Region region(kLayerNorm ? "layernorm forward" : "rmsnorm forward", profile::Work::Epilogue, stream);
     launch_kernel(kernel, after_previous(blocks, kForwardWarps * 32), stream, y, mean, rstd, x, w, b, N, C, eps);
   });
 }
@@ -316,7 +316,7 @@ void launch_backward(bf16* dx, float* dw, float* db, const bf16* dy, const bf16*
     throw std::invalid_argument(std::string(kLayerNorm ? "layernorm_backward" : "rmsnorm_backward") + ": C = " +
                                 std::to_string(C) + " must be a multiple of 8 in [8, 4096]");
   if (N <= 0) return;
-  const profile::Region region(kLayerNorm ? "layernorm backward" : "rmsnorm backward", stream);
+  const profile::Region region(kLayerNorm ? "layernorm backward" : "rmsnorm backward", profile::Work::Epilogue, stream);
   const int group_threads = (C / 8 + 31) / 32 * 32;
   const int groups = std::min(kMaxGroups, kBackwardThreads / group_threads), threads = groups * group_threads;
   // The rings; after the rows, the same memory holds the groups' dw/db columns and the finishing sums.

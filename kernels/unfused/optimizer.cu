@@ -106,7 +106,7 @@ void grad_sumsq(float* result, const float* g, size_t n, float* partials, unsign
   const int blocks = static_cast<int>(std::max<size_t>(
       1, std::min<size_t>({static_cast<size_t>(sm_count()) * 4, static_cast<size_t>(kMaxSumsqBlocks),
                            (packets + kSumsqThreads - 1) / kSumsqThreads})));
-  const profile::Region region("gradient sum of squares", stream);
+  const profile::Region region("gradient sum of squares", profile::Work::Other, stream);
   launch_kernel(sumsq_kernel, after_previous(blocks, kSumsqThreads), stream, result, g, packets, partials, ticket);
 }
 
@@ -123,7 +123,7 @@ void adamw(float* params, bf16* params_bf16, float* m, float* v, const float* gr
                          static_cast<float>(1.0 - std::pow(static_cast<double>(step.beta1), step.step)),
                          static_cast<float>(1.0 - std::pow(static_cast<double>(step.beta2), step.step))};
   const size_t packets = n / 4;
-  const profile::Region region("adamw", stream);
+  const profile::Region region("adamw", profile::Work::Other, stream);
   launch_kernel(adamw_kernel, after_previous(blocks_for(packets, 256), 256), stream, params, params_bf16, m, v, grads,
                 decay, packets, k);
 }
@@ -131,7 +131,7 @@ void adamw(float* params, bf16* params_bf16, float* m, float* v, const float* gr
 void convert_to_bf16(bf16* dst, const float* src, size_t n, cudaStream_t stream) {
   if (n % 8 != 0) throw std::invalid_argument("convert_to_bf16: n = " + std::to_string(n) + " must be a multiple of 8");
   if (n == 0) return;
-  const profile::Region region("convert to bf16", stream);
+  const profile::Region region("convert to bf16", profile::Work::Other, stream);
   launch_kernel(convert_kernel, after_previous(blocks_for(n / 8, 256), 256), stream, dst, src, n / 8);
 }
 

@@ -64,7 +64,7 @@ void rope(bf16* qkv, const float2* table, int B, int T, int n_head, int n_kv_hea
   const int rotated_packets = (n_head + n_kv_head) * hd / 8;
   const int row_len = (n_head + 2 * n_kv_head) * hd;
   const size_t threads = static_cast<size_t>(B) * T * rotated_packets;
-  const profile::Region region(inverse ? "rope backward" : "rope forward", stream);
+  const profile::Region region(inverse ? "rope backward" : "rope forward", profile::Work::Epilogue, stream);
   launch_kernel(rope_kernel, after_previous(blocks_for(threads, 256), 256), stream, qkv, table, B * T, T,
                 rotated_packets, row_len, hd, inverse ? -1.0f : 1.0f);
 }
