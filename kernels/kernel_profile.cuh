@@ -10,7 +10,8 @@
 // Epilogue (norms, activations, bias and residual adds, RoPE, bias gradients, the loss's forward pass) are
 // what a CODA program moves into a GEMM epilogue, so a step whose epilogues cost nothing and whose GEMMs
 // and attention ran as fast as these would take (total - epilogue work) of GPU time; the table prints
-// total / (total - epilogue work), the most fusion can speed this step up.
+// total / (total - epilogue work), the most fusion can speed this step up (generous, if anything: the
+// events' ~2 us per launch weigh most on the short epilogue kernels).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -29,7 +30,7 @@ enum class Work {
   Gemm,       // a matrix product: cuBLASLt's, or the CODA GEMM with its epilogue program
   Attention,  // the attention kernels (in the coda mode with the write-out of dqkv)
   Epilogue,   // an unfused kernel of an operation that a CODA program runs in a GEMM epilogue
-  Other,      // what both modes run outside the GEMMs: embedding, dlogits, optimizer, column-partial sums
+  Other,      // the rest: embedding, cross-entropy backward or dlogits, optimizer, coda's column-partial sums
 };
 constexpr int kWorkKinds = 4;
 const char* work_name(Work work);
