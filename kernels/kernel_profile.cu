@@ -70,6 +70,16 @@ Registry& registry() {
 
 std::atomic<bool> recording{true};
 
+const char* work_name(Work work) {
+  switch (work) {
+    case Work::Gemm: return "GEMMs";
+    case Work::Attention: return "attention";
+    case Work::Epilogue: return "unfused epilogue operations";
+    case Work::Other: return "other";
+  }
+  return "?";
+}
+
 }  // namespace
 
 bool enabled() {
@@ -81,16 +91,6 @@ bool enabled() {
 }
 
 void set_recording(bool on) { recording = on; }
-
-const char* work_name(Work work) {
-  switch (work) {
-    case Work::Gemm: return "GEMMs";
-    case Work::Attention: return "attention";
-    case Work::Epilogue: return "unfused epilogue operations";
-    case Work::Other: return "other";
-  }
-  return "?";
-}
 
 std::string work_summary(const double (&ms)[kWorkKinds]) {
   double all = 0.0;

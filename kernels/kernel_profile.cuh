@@ -33,7 +33,6 @@ enum class Work {
   Other,      // the rest: embedding, cross-entropy backward or dlogits, optimizer, coda's column-partial sums
 };
 constexpr int kWorkKinds = 4;
-const char* work_name(Work work);
 
 // Times the launches enqueued on `stream` between construction and destruction under `label`.
 class Region {

@@ -763,7 +763,8 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
   float* lse2 = dsum + stat_rows;
   float* kv_dots = lse2 + stat_rows;  // [B*T][n_kv_head][1 or 3], with a write-out
-  std::optional<profile::Region> region(std::in_place, "attention backward: prologue", profile::Work::Attention, stream);
+  std::optional<profile::Region> region(std::in_place, "attention backward: prologue", profile::Work::Attention,
+                                        stream);
   attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * (HD / 8) + 255) / 256), 256, 0, stream>>>(
       lse2, dsum, dq_accum, dout, out, lse, s.B, s.T, T_pad, s.n_head);
   CUDA_CHECK_LAUNCH();
