@@ -2,8 +2,8 @@
 // (Hopper, sm_90).
 //
 // In a stream, a kernel normally starts only after the previous kernel's grid has finished and been torn
-// down, and its own blocks are then distributed: back to back on the H200 that costs about 1.8 us per
-// launch even for an empty 264-block grid, 10% of a 50 MB reduction. A kernel launched with PDL may be
+// down, and its own blocks are then distributed: a fixed cost per launch, even for an empty grid, that is a
+// large share of a short memory-bound kernel. A kernel launched with PDL may be
 // scheduled while the previous one still runs: as soon as every block of the previous grid has called
 // allow_next_kernel() (or exited), the new grid's blocks take the multiprocessors' free slots and park in
 // griddepcontrol.wait, which returns once the previous grid has COMPLETED and its memory is visible. So

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU check (issue #8), in one go on a machine with N >= 2 GPUs, all with mpirun over N ranks
+# The multi-GPU check, in one go on a machine with N >= 2 GPUs, all with mpirun over N ranks
 # against one rank (coda mode, the default), ending in a summary table:
 #  loss     20 training steps of gpt2-124m (global batch 32 x 1024) and llama3.2-1b (8 x 2048) three
 #           times on one GPU, on N GPUs (batch_size / N each) and on N GPUs with ZeRO-1: the same global

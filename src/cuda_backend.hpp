@@ -1,39 +1,14 @@
-// The CUDA backend: one model on one GPU, bf16 weights and activations, fp32 master weights, gradients
-// and AdamW moments.
-//
-// Everything lives in ONE device arena sized up front from (ModelConfig, max batch, max sequence length),
-// so a run that does not fit fails at start with the numbers instead of running out of memory mid-step.
-// The plan is a list of named buffers in three groups: parameter state (bf16 copy, fp32 master, fp32
-// gradients, fp32 m and v, all in the flat ParamLayout order), activations saved for the backward pass
-// (per layer), and scratch shared by all layers.
-//
-// The training step is split into overridable pieces (embedding, one block forward, head, their
-// backwards), each reading and writing the named buffers below. This class runs them in the unfused mode
-// (cuBLASLt GEMMs plus one kernel per operation, kernels/unfused/); the CODA mode derives from it,
-// overrides the pieces it fuses and reserves its extra buffers in plan_buffers, reusing the parameter
-// state, the optimizer and the I/O of this class unchanged.
-//
-// Data parallelism (average_grads_in_next_backward): in the backward that reduces, each gradient bucket
-// of dist_plan.hpp (head, layers L-1 .. 0, embeddings: contiguous ranges of the fp32 gradient buffer) is
-// complete as soon as its piece (head_backward, block_backward(l), embedding_backward) has been enqueued;
-// an event recorded on the compute stream then lets the communicator's stream start that bucket's
-// all-reduce (ncclAvg, in place) while the compute stream goes on with the layers below. A mode that
-// overrides the pieces keeps the overlap as long as each piece leaves its own bucket's gradients final.
-// The compute stream joins the communicator's stream at the end of the backward, and the host waits for
-// both through Communicator::wait (the watchdog), so a dead peer ends in an error instead of a hang.
-//
-// ZeRO-1 (shard_optimizer_state, before allocate): the ranks split the flat buffer into the shards of
-// make_zero_partition. This rank keeps fp32 master weights and AdamW moments for its shard only (12 of
-// the 18 bytes per parameter shrink by world_size); the gradient buffer and the bf16 working copy stay
-// whole, the latter padded to the partition's padded_total for the in-place all-gather. The reducing
-// backward sends each bucket to the owners of its pieces (bucket_owners: one ncclReduce with ncclAvg per
-// owner, grouped), with the same overlap as the all-reduce. grad_norm sums the squares of the own shard
-// and all-reduces that scalar; adamw_step updates the own shard (writing its bf16 copy) and then
-// all-gathers the bf16 shards on the communicator's stream, which the compute stream joins, so the next
-// forward waits for it on the GPU only. Checkpoint I/O gathers the shards by per-chunk broadcasts from
-// their owners through a small staging buffer (shard_chunks); loading keeps the own shard of the full
-// arrays and rebuilds the whole bf16 copy from them, without communication. Every host wait goes through
-// the communicator's watchdog while the mode is on, since the compute stream may depend on a collective.
+// The CUDA backend in the unfused mode: one model on one GPU, bf16 weights and activations, fp32 master
+// weights, gradients and AdamW moments, cuBLASLt GEMMs and one kernel per operation (kernels/unfused/).
+// Everything lives in ONE device arena of named buffers sized up front (parameter state in ParamLayout
+// order, activations saved per layer, scratch), so a run that does not fit fails at start with the numbers.
+// The step is split into overridable pieces (embedding, block forward, head, their backwards); the CODA
+// mode derives from this class and overrides the pieces it fuses (docs/ARCHITECTURE.md).
+// Data parallelism: in the backward that reduces, each gradient bucket's all-reduce starts on the
+// communicator's stream as soon as its piece is enqueued (an event), while the layers below continue.
+// ZeRO-1 keeps master weights and moments for this rank's shard only, reduces buckets to their owners and
+// all-gathers the bf16 shards after AdamW; every host wait goes through the communicator's watchdog
+// (docs/DISTRIBUTED.md).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -1,50 +1,14 @@
 // The arithmetic of data parallelism, as pure functions (no MPI, NCCL or CUDA), so it is tested on the CPU.
-//
-// Gradient buckets. Backward visits the model in reverse: LM head and final norm first, then layer L-1
-// down to layer 0, then the embeddings. ParamLayout stores every layer contiguously and in forward order
-// (model.hpp), so each of these groups is one contiguous range of the flat gradient buffer and the
-// backend can start the all-reduce of a bucket on the communication stream as soon as the backward of
-// that group has finished, while the backward of the layers below continues. The embedding bucket comes
-// last: with a tied head, wte receives gradient both from the head (first) and from the embedding
-// backward (last), so it is complete only at the very end. Buckets are reduced only on the last
-// micro-batch of a gradient-accumulation step.
-//
-// ZeRO-1 partition. Ranks own contiguous shards of the flat buffer for the fp32 master weights and the
-// AdamW moments. NCCL's reduce-scatter and all-gather exchange equal counts per rank, so every shard has
-// the same capacity shard_size = ceil(total / world) rounded up to kParamAlign elements, and the buffers
-// handed to those collectives hold padded_total = world * shard_size elements (the tail past `total` is
-// zero padding). Shard r covers [r * shard_size, min((r + 1) * shard_size, total)); the last shards may be
-// shorter or empty. Each shard lists the pieces of the tensors it overlaps, which is what the sharded
-// AdamW needs for its weight-decay mask. A bucket can also be reduced straight to the shards' owners
-// (one ncclReduce per owner, grouped), which keeps the backward overlap under ZeRO-1: bucket_owners().
-// In the padded buffers of the collectives, rank r's shard sits at slot(r) = r * shard_size (equal to
-// its begin unless the shard is empty), so the in-place all-gather of the bf16 weights sends
-// shard_size elements from buffer + slot(r); the tail of a short shard is padding that the optimizer
-// never writes (zero). The global gradient norm composes from the shards: they partition [0, total), so
-// the sum over ranks of each rank's sum of squares over its own shard (one all-reduce of a scalar) is
-// the sum of squares of the whole averaged gradient. Checkpoints hold the full state: it is gathered
-// to every rank in chunks (shard_chunks: pieces of at most one staging buffer, each inside one shard,
-// broadcast by its owner), and scattered on load by every rank copying its own shard out of the full
-// arrays it read.
-//
-// Batch arithmetic. Each rank runs grad_accum micro-batches of B sequences per optimizer step, so the
-// global batch is world * B * grad_accum sequences. Every rank scales its micro-batch losses by
-// 1 / grad_accum and the gradients are AVERAGED over ranks: with equal token counts per rank that is the
-// gradient of the mean loss over the global batch, the same as one process running the whole batch.
-// When a run asks for a fixed global batch (for example resuming on a different number of GPUs),
-// grad_accum follows from it and must come out whole.
-//
-// Data position across a change of the global batch (resuming on another number of ranks, or with another
-// batch_size). The loader's position is (epoch, batch) counted in global batches of G windows, and the
-// order of the windows within an epoch does not depend on G (data.hpp). A run saved after `batch` batches
-// of G_saved windows has consumed the first batch * G_saved windows of its epoch; it continues with the
-// first batch of G windows that starts at or after that point. No window of the epoch is read twice, at
-// most G - 1 are skipped (none when G divides the windows consumed, e.g. when world * batch_size stays
-// the same), and past the epoch's last whole batch the next epoch begins.
-//
-// Throughput. Data-parallel ranks step in lockstep (the all-reduce synchronises them), so the wall time
-// of a step on rank 0 is the job's step time; job tokens/s = global tokens per step / step time, and MFU
-// = flops_per_token * job tokens/s / (world * peak FLOP/s of one GPU).
+// docs/DISTRIBUTED.md describes what it serves; in short:
+//  * gradient buckets: head and final norm, layers L-1 .. 0, embeddings (last: a tied wte also gets the
+//    embedding backward's gradient), each one contiguous range of the flat buffer (model.hpp orders layers
+//    contiguously), so a bucket's reduction can start as soon as its backward is enqueued;
+//  * the ZeRO-1 partition: equal shards of shard_size = ceil(total / world) rounded up to kParamAlign
+//    (NCCL's collectives exchange equal counts; padded_total = world * shard_size), the tensor pieces of
+//    each shard (for AdamW's decay mask), a bucket's owners, the checkpoint chunks (shard_chunks);
+//  * the batch plan: the global batch is world * B * grad_accum, gradients are averaged over ranks;
+//  * the data position when the global batch changes (continued_position): no window read twice, fewer
+//    than one batch skipped; and the job's throughput and MFU.
 #pragma once
 #include <cstddef>
 #include <cstdint>

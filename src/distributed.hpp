@@ -1,40 +1,13 @@
-// Process setup for data parallelism and the NCCL communicator.
-//
-// Launch. One process per GPU. init_distributed() finds out who this process is from the launcher's
-// environment, in this order:
-//   mpirun of Open MPI   OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE
-//   mpirun of MPICH/Intel (Hydra)  PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
-//   Slurm srun           SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE
-//   nothing              a single process, rank 0 of 1
-// mpirun is tested first because inside a Slurm allocation mpirun starts its daemons through srun, so
-// the SLURM_ variables describe the daemons, not the ranks. SLURM_STEP_NUM_TASKS (set by srun for its
-// step) is required rather than SLURM_NTASKS, because a batch script itself sees SLURM_PROCID=0 and the
-// job's SLURM_NTASKS while being one process: it runs as a single process.
-//
-// Bootstrap. MPI (or a file) is used only to hand NCCL's unique id from rank 0 to the others; every
-// collective afterwards goes through NCCL. The choice (choose_bootstrap):
-//   no launcher, 1 process          nothing to share, no MPI_Init
-//   mpirun                          MPI when the build found it (MPI_Init then, even for -np 1);
-//                                   otherwise the file method below when CODA_BOOTSTRAP_DIR is set
-//   srun                            the file method when CODA_BOOTSTRAP_DIR is set (needs no PMI setup);
-//                                   otherwise MPI when built with it (srun --mpi=pmix)
-// anything else with more than one rank is refused with a message saying what to do. The file method:
-// rank 0 writes the id to CODA_BOOTSTRAP_DIR/coda-nccl-id.<launch key> (temp file + rename), the other
-// ranks poll for it until CODA_NCCL_TIMEOUT_S, rank 0 deletes it once the communicator is up (every rank
-// has read it by then). The launch key is CODA_RUN_ID, else SLURM_JOB_ID.SLURM_STEP_ID, else
-// PMIX_NAMESPACE, else OMPI_MCA_ess_base_jobid, so two launches never share a file; the directory must be
-// visible to every node (a shared file system).
-//
-// GPUs. Rank r of a node uses GPU local_rank. When the launcher binds one GPU per process (the process
-// sees exactly one GPU and CUDA_VISIBLE_DEVICES is set), every rank uses device 0. More ranks on a node
-// than visible GPUs fails at start on every rank, before any communication.
-//
-// Faults. NCCL communicators are created non-blocking. While the host waits for communication (or for
-// any stream, through Communicator::wait) it polls ncclCommGetAsyncError; an error, or no completion
-// within CODA_NCCL_TIMEOUT_S seconds (default 300), aborts the communicator (ncclCommAbort, which also
-// releases kernels stuck waiting for a dead peer) and throws. The entry point reports it through
-// abort_job(), which exits non-zero (MPI_Abort when MPI is up, so the launcher stops every rank).
-// NVLink SHARP / multicast (NVLS) is disabled by setting NCCL_NVLS_ENABLE=0 unless the user set it.
+// Process setup for data parallelism and the NCCL communicator (docs/DISTRIBUTED.md).
+// Launch: one process per GPU; rank, world size and local rank come from Open MPI's mpirun, Hydra's
+// (MPICH, Intel MPI), Slurm's srun (SLURM_STEP_NUM_TASKS, so that a batch script is one process), or none
+// (rank 0 of 1); mpirun is tested first, since inside Slurm it starts its daemons through srun.
+// Bootstrap: MPI, or a file in CODA_BOOTSTRAP_DIR, only hands NCCL's unique id from rank 0 to the others
+// (choose_bootstrap); every collective afterwards is NCCL's. Rank r of a node uses GPU local_rank (device
+// 0 when the launcher binds one GPU per process).
+// Faults: communicators are non-blocking; every host wait polls ncclCommGetAsyncError and aborts the
+// communicator on an error or after CODA_NCCL_TIMEOUT_S, then abort_job() exits non-zero (MPI_Abort when
+// MPI is up). NCCL_NVLS_ENABLE is set to 0 unless the user set it.
 #pragma once
 #include <cuda_runtime.h>
 #include <nccl.h>

@@ -1,37 +1,14 @@
 // The training loop, validation and `coda eval`.
-//
-// One optimizer step: zero the gradients; run grad_accum micro-batches, each adding the gradient of
-// mean_loss / grad_accum, so the buffer holds the gradient of the mean loss over all of them; take the
-// global L2 norm g and, when grad_clip > 0, scale the update by min(1, grad_clip / g) (the scale goes into
-// AdamW instead of touching the gradients); one AdamW step at the scheduled learning rate.
-//
-// Learning rate: linear warmup, then half a cosine down to lr * min_lr_ratio at the last step.
-//
-// Reproducibility: one Rng seeded from `seed` draws the initialisation seed and the data-order seed, so
-// two runs with one seed are identical. A checkpoint holds everything the loop's future depends on
-// (weights, AdamW moments, step, data-loader position, RNG), so resuming from step N reproduces the
-// uninterrupted run exactly on a deterministic backend.
-//
-// Nothing is written before every input has been checked: the config, the resume checkpoint, the data
-// shards (they are opened before the run directory is made) and the run directory itself (a fresh run
-// does not overwrite an existing run; resume it instead).
-//
-// Data parallelism (a Communicator over N ranks, docs/DISTRIBUTED.md): every rank builds the same model
-// from the same seed (or loads the same checkpoint), reads slice r of every global batch of N * B
-// windows, and arms the backend before the last micro-batch so that its backward averages the gradient
-// buffer over the ranks. Every rank then holds the same gradients, so the same norm, clipping and AdamW
-// update keep the replicas identical without ever broadcasting weights. The logged loss is the mean over
-// ranks. Rank 0 alone writes config.toml, metrics.jsonl and checkpoints and runs validation (the others
-// wait for it in the next step's all-reduce, so CODA_NCCL_TIMEOUT_S must exceed a validation plus a
-// checkpoint write). Checkpoints hold full state; resuming with another N * B continues the data stream
-// where it stopped (continued_position). With N = 1 no communicator exists and nothing of this runs,
-// unless zero1 asks for one.
-//
-// ZeRO-1 (zero1 = true): the backend is made with the communicator and keeps only its shard of the fp32
-// master weights and AdamW moments; the loop is the same, but the gradient norm, the AdamW step and the
-// reads of a checkpoint are collective, so every rank takes part in save() and rank 0 alone writes. The
-// checkpoint holds the full state as without ZeRO-1, so either kind resumes with or without it, on any
-// number of ranks. It also runs on one rank (a communicator of one), which is how it is tested on one GPU.
+// One optimizer step: zero the gradients; grad_accum micro-batches, each adding the gradient of
+// mean_loss / grad_accum; the global L2 norm g and, when grad_clip > 0, an update scaled by
+// min(1, grad_clip / g) inside AdamW; one AdamW step at the scheduled learning rate (linear warmup, then
+// half a cosine down to lr * min_lr_ratio at the last step).
+// One Rng seeded from `seed` draws the initialisation and data-order seeds; a checkpoint holds everything
+// the loop's future depends on, so a resumed run reproduces the uninterrupted one on a deterministic
+// backend. Nothing is written before every input (config, checkpoint, shards, run directory) is checked.
+// Data parallelism and ZeRO-1 (docs/DISTRIBUTED.md): every rank builds the same model, reads slice r of
+// each global batch and arms the backend to average gradients in the last micro-batch's backward; rank 0
+// alone logs, validates and writes; saving is collective under ZeRO-1.
 #include "train.hpp"
 
 #include <spdlog/spdlog.h>

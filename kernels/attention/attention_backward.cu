@@ -1,65 +1,15 @@
-// Backward of causal grouped-query attention for Hopper (sm_90a), FlashAttention-3 shaped: TMA loads, wgmma
-// tensor-core products, a producer warpgroup and two consumer warpgroups. Contract and layouts:
-// attention.cuh; forward: attention_forward.cu (it saves lse, the natural-log sum-exp of each query's
-// scaled scores).
-//
-// Three kernels (four with the CODA write-out):
-//  1. Prologue: per (b, h, t) row D = rowsum(dO * O) and lse * log2 e, fp32, in [B, n_head, T_pad] with T
-//     rounded up to a multiple of 128, whole query steps (rows past T: D = 0, lse = +inf, so their P is exactly 0 and the
-//     main kernel needs no query-tail masking); it also clears the fp32 dQ accumulator [B, n_head, T, HD].
-//  2. Main kernel: one thread block = one kv head x 128 keys (64 per consumer warpgroup). Warpgroup 0 is the
-//     producer: one thread loads K and V once, then for every query head of the kv head's group and every
-//     query step (kStepQ queries: 128 at hd 64, 64 at hd 128, see Tuning) at or below the diagonal (steps above it are never loaded) Q, dO (TMA, 128-byte
-//     swizzle) and lse, D (1-D bulk copies) into a ring of stages with "full" / "empty" mbarriers. Each
-//     consumer warpgroup, per step, on its 64 keys (transposed products, so that dK and dV are the
-//     accumulators and the A operands come from registers):
-//         S^T  = K Q^T, dP^T = V dO^T            (wgmma, both operands K-major in shared memory)
-//         P^T  = exp2(S^T scale log2 e - lse log2 e), zero where key > query (diagonal steps only)
-//         dV  += P^T dO                          (A = P^T re-packed to bf16 from the accumulator fragment)
-//         dS^T = P^T (dP^T - D)
-//         dK  += dS^T Q                          (A from registers; times scale at the end)
-//     and stores dS^T (bf16) into its 64 rows of a [128 keys][kStepQ queries] tile. After a barrier of the
-//     two consumer warpgroups, dQ[step] += dS K over all 128 keys is split between them in units of 64
-//     queries x 64 columns (two per step: hd 128's two column chunks, hd 64's two 64-query halves), A = dS read
-//     transposed (MN-major) from the dS^T tile, B = K MN-major; the fp32 chunk is staged in shared memory
-//     and added into the dQ accumulator by the copy engine (cp.reduce.async.bulk.tensor .add). The dS^T
-//     tile is double-buffered across steps, so that one barrier per step orders its writes and reads.
-//     Summing over the group's query heads inside the block gives dK, dV of a kv head without atomics.
-//     With 64-query steps, on the first step of each head warpgroup 1's keys all come after all the
-//     queries: it skips its products and stores a zero dS^T. Key blocks are scheduled by increasing key
-//     index (most steps first); at hd 128 in groups of 4 (batch, kv head) pairs, so that the blocks that
-//     run together share those pairs' Q, dO and dQ rows in L2.
-//  3. dQ conversion: dqkv[:, q heads] = scale * dQ accumulator in bf16 -- or, with a write-out, the CODA
-//     pass below that finishes whole packed rows of dqkv.
-//
-// The CODA write-out (writeout != nullptr; the contract and the math are in attention.cuh and
-// kernels/coda/fused.cuh) finishes whole packed rows of dqkv in two places. The k and v columns in the
-// main kernel, on the dK, dV it holds when its loop ends (finish_kv_rows): the row dots <dz, z> against
-// the k and v its K and V tiles still hold, the inverse RoPE of dk, the LayerNorm dots <dz, c>, <dz, b'>,
-// the column partials (sum dz: the qkv bias gradient) over each warp's 16 keys, then dz' = r dz is what
-// it stores; its row dots go per (token, kv head) to kv_dots. The q columns in a per-row pass that replaces
-// the dQ conversion: one block = one column-partial group of kGroupRows consecutive positions of one sequence,
-// its threads over 8-column chunks of the q columns, each chunk walked down the group's rows in batches of
-// kBatchRows rows whose loads are issued together (a streaming pass; one row's loads at a time per thread
-// left it at a third of the memory bandwidth). Per element: dz = scale * dQ accumulator, the row dot
-// <dz, z> against the stored q (BEFORE the inverse rotation: the rotation is orthogonal, so <R^T g, R^T z>
-// = <g, z> with no need to rotate z), the inverse RoPE rotation, the LayerNorm dots and the column
-// partials kept per thread over the group's rows (each group's partial row written once, no atomics),
-// finally dqkv = r dz in bf16. Row dots are summed per thread over its chunk, per batch over the warp (a
-// reduce-scatter of shuffles, about one per value), then over the warps' sums in shared memory and the
-// row's kv_dots, in a fixed order: deterministic, count 1. Column-partial groups never straddle two
-// sequences, so that the main kernel's key blocks hold whole groups.
-//
-// Tails: qkv and dout are described to TMA as 3-D tensors [B][T][cols], so rows past T of a sequence are
-// zero-filled. Zero keys past T are masked by causality for every real query, and their dK, dV rows are
-// not stored; query rows past T have P = 0 (lse = +inf), and the dQ reduce-adds are clipped at T by the
-// accumulator's [B*n_head][T][HD] tensor map.
-//
-// Shared-memory tiles are what TMA writes with 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)),
-// 1024-byte aligned; the dS^T stores, the dQ staging (fp32 boxes of [64][32]) and the final dK / dV
-// staging (in the consumer's own rows of the K and V tiles, after both warpgroups are done with K) use
-// the same swizzle, so their bf16x2 / float2 stores spread over all banks. The wgmma descriptors and the
-// mbarrier / TMA wrappers are the GEMM's and the forward's (kernels/sm90/sm90.cuh).
+// Backward of causal grouped-query attention for Hopper (sm_90a), FlashAttention-3 shaped: TMA loads,
+// wgmma products, a producer warpgroup and two consumer warpgroups. Contract and layouts: attention.cuh;
+// the design, with its reasons, is docs/ATTENTION.md ("Backward", "The CODA write-out").
+//  1. Prologue: D = rowsum(dO * O) and lse * log2 e per (b, h, t) into [B, n_head, T_pad] (rows past T:
+//     D = 0, lse = +inf, so their P is 0), and the clearing of the fp32 dQ accumulator.
+//  2. Main kernel: one block = one kv head x 128 keys; transposed products (S^T = K Q^T, dP^T = V dO^T) so
+//     that dK and dV are register accumulators summed over the group's query heads without atomics; dS^T
+//     goes through a double-buffered shared tile, and dQ = dS K is split between the two consumers in
+//     64 x 64 units, staged in shared memory and added by TMA reduce-add.
+//  3. dQ conversion to bf16, or with a write-out the CODA pass that finishes the q columns of dqkv (the
+//     main kernel finishes the k and v columns on the dK, dV it holds: finish_kv_rows).
+// Tails: TMA zero-fills rows past T of a sequence ([B][T][cols] maps) and clips the dQ reduce-adds at T.
 #include "kernels/attention/attention.cuh"
 #include "kernels/attention/attention_device.cuh"
 
@@ -84,8 +34,7 @@ using namespace attention_detail;
 // lse * log2 e, both fp32; rows past T get D = 0 and lse = +inf (so their P is exactly 0). A streaming
 // pass: each thread owns one 8-column chunk of a row (16-byte loads of dO and O, two 16-byte zero stores of
 // its part of the row of the dQ accumulator [B, n_head, T, HD], which rows below T clear), the row's HD / 8
-// threads are adjacent lanes and sum D with shuffles. (One warp per row with 4-byte loads and scalar stores
-// ran at about 40% of the memory bandwidth.)
+// threads are adjacent lanes and sum D with shuffles (16-byte accesses: the pass is bandwidth-bound).
 template <int HD>
 __global__ void attention_backward_prologue_kernel(float* lse2, float* dsum, float* dq_accum, const bf16* dout,
                                                    const bf16* out, const float* lse, int B, int T, int T_pad,
@@ -125,11 +74,10 @@ constexpr int kPadQ = 128;                  // T_pad: T rounded up to a multiple
 constexpr int kThreads = 384;               // producer warpgroup + 2 consumer warpgroups
 constexpr int kGroupRows = 16;              // rows of a CODA column-partial group: 16 keys of one sequence
 
-// The query step per head dim, and the block order (see the kernel): measured on the H200 against the
-// alternatives (docs/ATTENTION.md, session 5). hd 64: 128-query steps (one wgmma N = 128 per product, half
-// the steps and barriers: +6-11% at T >= 2k on the models' shapes), blocks in their natural order (groups
-// of pairs cost Llama's GQA shape 3-9%). hd 128: 64-query steps (registers), blocks in groups of 4 (batch,
-// kv head) pairs (+21-26% at T = 1k / 2k). Two stages each (three or more measured slower).
+// The query step per head dim, and the block order (see the kernel), chosen by measurement against the
+// alternatives (docs/LOG.md). hd 64: 128-query steps (one wgmma N = 128 per product, half the steps and
+// barriers), blocks in their natural order. hd 128: 64-query steps (registers), blocks in groups of 4
+// (batch, kv head) pairs, so that blocks running together share Q, dO and dQ rows in L2. Two stages each.
 template <int HD>
 struct Tuning;
 template <>

@@ -1,30 +1,14 @@
 // Forward of causal grouped-query attention for Hopper (sm_90a), FlashAttention-3 shaped: TMA loads,
-// wgmma tensor-core products, a producer warp and two consumer warpgroups. Contract: attention.cuh;
-// backward: attention_backward.cu.
-//
-// One thread block = one query head x 128 query rows. Warpgroup 0 is the producer: one thread issues
-// TMA loads of the Q tile once and of the K and V tiles (128 keys) of every key block from key 0 up to the
-// diagonal (blocks above it are never touched) into a ring of shared-memory stages (2 for hd 128, 3 for
-// hd 64), each stage guarded by "K full", "V full" and "empty" mbarriers. Warpgroups 1 and 2 each own 64
-// query rows and, per key block, run the online softmax of FlashAttention in fp32 registers:
-//     S = Q K^T (wgmma, A and B from shared memory),  m' = max(m, rowmax S),  P = exp(scale*(S - m')),
-//     l' = l exp(scale*(m - m')) + rowsum P,  O' = O exp(scale*(m - m')) + P V (wgmma, A = P from registers)
-// then release the stage. Exponentials are exp2 with log2(e) folded into the scale. The S accumulator
-// fragment, re-packed to bf16, is exactly wgmma's register-A fragment, so P never touches shared memory.
-// While one consumer warpgroup does its softmax the other one's products keep the tensor cores busy.
-// At the end O / l is written as bf16 (staged through the warpgroup's rows of the Q tile for 16-byte
-// stores) and lse = scale*m + ln l. Key blocks start at key 0, so every row sees a finite maximum in its
-// first block (key 0 is visible to every query) and no -inf - -inf occurs. Query blocks are scheduled
-// longest (most key blocks) first.
-//
-// Shared-memory tiles are what TMA writes with 128-byte swizzle: HD/64 boxes of [rows][64] bf16, row r at
-// byte r*128 of its box, 16-byte chunk c at position c ^ (r % 8). wgmma reads them through descriptors:
-// Q and K are K-major (head dim contiguous; stride 1024 bytes between 8-row groups, k steps of 16 advance
-// the start by 32 bytes inside the swizzle row), V is MN-major for P V (head dim = N contiguous; 1024
-// bytes between 8-key groups, one box of keys between 64-column blocks). qkv is described to TMA as a 3-D
-// tensor [B][T][qkv_dim], so rows past T of a sequence are zero-filled: zero keys past T are masked by
-// causality for every real query, and query rows past T are never stored. The mbarrier, TMA and wgmma
-// wrappers are the ones the GEMM uses (kernels/sm90/sm90.cuh).
+// wgmma products, a producer warp and two consumer warpgroups. Contract: attention.cuh; design:
+// docs/ATTENTION.md ("Forward"); backward: attention_backward.cu.
+// One block = one query head x 128 query rows. The producer loads Q once and the K, V tiles of every key
+// block up to the diagonal (never above it) into a ring of stages ("K full", "V full", "empty" mbarriers).
+// Each consumer warpgroup owns 64 rows and runs FlashAttention's online softmax in fp32 registers:
+// S = Q K^T from shared memory, P = exp2 of the scaled, max-shifted S, O += P V with P as wgmma's register
+// A operand (the S accumulator fragment re-packed to bf16, so P never touches shared memory).
+// Key blocks start at key 0, which every query sees, so each row's first maximum is finite. Tiles are
+// TMA's 128-byte swizzle; Q, K are read K-major, V MN-major. qkv is a 3-D TMA tensor [B][T][qkv_dim], so
+// rows past T are zero-filled; query blocks are scheduled longest first.
 #include <cuda.h>
 
 #include <cmath>

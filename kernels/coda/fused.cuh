@@ -1,26 +1,12 @@
-// The CODA mode's kernels outside the GEMMs (../shared/DESIGN.md, "What stays outside the GEMMs"): each
-// is one pass that the GEMM epilogues cannot absorb, and each also does the small per-row or per-column
-// work of the norms around it, so that no separate norm, loss or bias kernel remains.
-//
-//   embedding_forward   the first layer's input h and its norm statistics (the producer of layer 0's
-//                       partials, as the residual epilogues are for the other layers);
-//   loss_from_partials  the per-row loss from the LM head epilogue's log-sum-exp partials;
-//   dlogits             softmax - onehot, the one elementwise pass over the logits that remains, with the
-//                       row dots of the final norm's backward;
-//   ln_weight_vectors   LayerNorm's weight-derived vectors c = W gamma, b' = W beta + bias (once per step);
-//   add_column_partials finishing column partials (ColDot) into parameter gradients.
-//
-// The scaled-gradient convention of the CODA mode: the gradient dz of a GEMM that follows a norm
-// (QKV, gate/up or fc, LM head) is handed on as dz' = r dz, r the norm's rstd per row. Then the weight
-// gradient is a plain GEMM:
-//   RMSNorm:   dW = dz^T u = dz^T diag(r) O = dz'^T O, against the saved O = h (.) gamma that the forward
-//              GEMM read;
-//   LayerNorm: u = r O - r mu gamma + beta is not r O, so the dgrad, which holds h and the row statistics,
-//              stores u / r = (h - mu) (.) gamma + beta / r over O, and dW = dz'^T (u / r) (the bias
-//              gradient, the column sums of dz, from column partials);
-// and the dgrad accumulator is D' = dz' W = r du, the form the norm-backward programs take.
-// Row dots for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are always taken on the UNSCALED dz.
-//
+// The CODA mode's kernels outside the GEMMs (docs/CODA.md, "What stays outside the GEMMs"): each is one
+// pass the GEMM epilogues cannot absorb, and each also does the small per-row or per-column work of the
+// norms around it: embedding_forward (layer 0's h and its norm statistics), loss_from_partials (the loss
+// from the LM head's log-sum-exp partials), dlogits (softmax - onehot with the final norm's row dots),
+// ln_weight_vectors (LayerNorm's c = W gamma, b' = W beta + bias, once per step), add_column_partials.
+// Scaled-gradient convention: the gradient dz of a GEMM that follows a norm travels as dz' = r dz, so the
+// weight gradient is a plain GEMM (RMSNorm: dz'^T O; LayerNorm: dz'^T (u / r), with u / r stored by the
+// dgrad, which holds h and the row statistics) and the dgrad accumulator is D' = dz' W = r du. Row dots
+// for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are taken on the UNSCALED dz.
 // Partials follow epilogue.cuh: row partials [N, count], column partials [groups, ld] (fp32).
 // Every function enqueues on `stream` and checks its launch.
 #pragma once

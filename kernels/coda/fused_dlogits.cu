@@ -1,30 +1,14 @@
-// The LM head's backward pass over the logits: dz = dloss (softmax - onehot), written back scaled as
-// dz' = r dz, with the row dots the final norm's backward needs, in one read and one write of the [N, Vp]
-// logits — the largest tensor of a step, so this pass must stream at memory bandwidth. Two shapes, one per
-// norm, over the same per-packet math (dz_packet):
-//
-// RMSNorm (only the row dot <dz, z>): one block per row, its threads over the row's 16-byte packets
-// with kRowPackets packets' loads in flight each (the unfused cross-entropy's shape, which streams at the
-// copy's bandwidth); the dot is summed over the block in a fixed order: count 1, deterministic. (The
-// LayerNorm walk below ran RMSNorm at 2.78 TB/s: its (row group, slice) blocks came in 3.4 waves at
-// gpt2-124m's shape, the last one 40% full.)
-//
-// LayerNorm (also <dz, c> and <dz, b'>; no column partials: the head's weight gradient takes u / r from its
-// dgrad, gpt2_programs.cuh): a block owns a group of kGroupRows rows and a slice of the columns, and walks
-// its rows top to bottom. Each thread owns a few 16-byte packets of the slice (the same columns in every
-// row), so it loads its packets' entries of c and b' once per pass and keeps them in registers (the whole
-// vectors, fp32 [Vp], are 400 KB for gpt2: a block per row would read them from L2 for every row; read
-// from L1 per row they cost 2068 against 2013 us, bench_fused). The row dots are summed over the warp with
-// shuffles and then over the block's warps in shared memory; the slices of one row group form a
-// thread-block cluster, and each row's total is the sum of the slices' values in rank order, read through
-// distributed shared memory (kernels/cluster.cuh). So the dots are complete rows (count 1) and
-// deterministic, with no atomics and no workspace.
-// The next row's packets are loaded before the current row is processed, so every thread keeps two rows'
-// loads in flight. Loads and stores of the logits are streaming (evict-first): they are touched once. The
-// per-row scalars (lse, target, r) are staged in shared memory once per block.
-// The slice count (the cluster size, at most 8) trades the blocks' passes over their rows against the
-// waves of blocks (dlogits_slices); two packets per thread and row keep register use low enough for two
-// blocks per SM.
+// The LM head's backward over the logits: dz = dloss (softmax - onehot), written back as dz' = r dz with
+// the row dots of the final norm's backward, in one read and one write of the [N, Vp] logits (the largest
+// tensor of a step: this pass must stream at memory bandwidth). Two shapes over the same packet math:
+// RMSNorm (<dz, z> only): one block per row, kRowPackets loads in flight per thread, the dot summed over
+// the block in a fixed order (count 1). LayerNorm (also <dz, c>, <dz, b'>): a block owns kGroupRows rows
+// and a column slice and walks its rows, each thread keeping its packets' entries of c and b' in registers
+// (they would otherwise be re-read for every row); the slices of a row group form a thread-block cluster
+// and each row's dots are summed over the slices in rank order through distributed shared memory
+// (kernels/cluster.cuh): complete, deterministic, no atomics. The next row's packets load before the
+// current one is processed; logits are streamed (evict-first). The slice count trades passes over the rows
+// against waves of blocks (dlogits_slices); two packets per thread keep two blocks per SM.
 #include <algorithm>
 #include <stdexcept>
 #include <string>

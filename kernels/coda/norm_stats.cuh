@@ -86,7 +86,7 @@ struct NormPartials {
 // the dgrad accumulator is D' = r du): dh = D' (.) gamma - k h + e reads LnBackwardK and LnBackwardE;
 // dgamma = colsum(D' (.) (h - mu)) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd. A program that
 // reads them starts with RowStage<LnRows> (or RowStage<LnBackwardRows> for k and e), which finishes the
-// partials once per row (each reader finishing them again cost ~18% of the LM head's samples, ncu), and
+// partials once per row (instead of every reader finishing them again, a large part of the LM head's time), and
 // reads them as RowOf<LnRstd> etc.
 using LnRstd = epi::Staged<0>;
 using LnMean = epi::Staged<1>;

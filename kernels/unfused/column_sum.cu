@@ -1,32 +1,14 @@
 // Column sums out[j] += sum_n x[n, j] of a bf16 matrix: the bias gradients (db = column sums of dY).
-//
-// The grid is (column tiles, row slabs). In a block of 256 threads, 8 adjacent columns per thread (one
-// 16-byte load per row), a row's part of the tile is read by (tile width) / 8 threads, and the block's row
-// groups take interleaved rows of the slab, 16 rows in flight per thread, all their loads issued before any
-// is added (past the slab's end a thread reloads its last row and drops it, so no branch splits the loads);
-// the groups' sums meet in shared memory: the slab's partial row. Two ways to add the slabs' partials, in an
-// order fixed by the launch shape alone (results are bitwise reproducible on a given device):
-//  * a cluster per column tile (narrow matrices, whose 64-column tiles all fit on the device at once as
-//    clusters of 16 blocks: [N, 768]): the 16 slabs of a tile are the 16 blocks of one thread-block
-//    cluster, co-scheduled by the hardware; each keeps its partial in shared memory, and after a cluster
-//    barrier block 0 reads the 16 partials through distributed shared memory, in slab order. No global
-//    round trip between the last block's main pass and the result.
-//  * otherwise, the last block to end: 128-column tiles, slabs sized so that the grid is exactly the
-//    blocks that fit on the device at once (one wave: a second, partial wave of a few blocks cost 15% at
-//    [N, 2304]); each block stores its partial to the workspace and takes an integer ticket for its tile
-//    (one acquire-release atomic per block, see ticket_add in vec.cuh); the block that draws the last
-//    ticket sums the slabs' partials in slab order, all in one round of loads (256-column tiles put 4x
-//    the bytes, 90 KB at [N, 768], through the one finishing block of each tile).
-//
-// What [N, 768] (GPT-2's 50 MB bias gradients) costs, H200, PDL launches back to back (docs/PERFORMANCE.md,
-// sessions 5, 15 and 16): the main pass about 12.4 us from the previous launch's end; the last block to
-// end then needs three L2 round trips (a release fence waiting for its partial store, the atomic, the
-// partial loads), 1.5 us, where the cluster's barrier and its shared-memory reads take about 1 us
-// (session 16 harness: 14.74 / 14.85 -> 14.37 / 14.43 us per launch back to back). Slower: clusters of 8
-// or 16 over 128-column tiles (48 or 96 blocks: 18.7, 17.0 us), clusters of 8 over 64 or 32 columns (16.5,
-// 16.7), clusters summing 4 or 8 slabs before a ticket (session 12); for the ticket: 64-column tiles, 16
-// warps per block, 8 or 12 rows in flight (session 15), the last block to START polling the partial slots
-// (15.1 us), row chunks handed out by an atomic counter with a partial per chunk (16.8 us and more).
+// The grid is (column tiles, row slabs); a thread reads 8 adjacent columns per row (16-byte loads), 16 rows
+// in flight, all loads of a batch issued before any is added (past the slab's end a thread reloads its
+// last row and drops it, so no branch splits the loads); the block's row groups meet in shared memory as
+// the slab's partial row. The slabs' partials are added in an order fixed by the launch shape alone
+// (bitwise reproducible on a given device), in one of two ways:
+//  * narrow matrices whose 64-column tiles all fit on the device at once as clusters of 16 blocks
+//    ([N, 768]): a cluster per tile; after a cluster barrier block 0 adds the 16 partials through
+//    distributed shared memory in slab order, with no global round trip after the main pass;
+//  * otherwise the last block to end: 128-column tiles, a grid of exactly one wave, each block stores its
+//    partial and takes a ticket (ticket_add, vec.cuh); the last one sums the partials in one round of loads.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -62,8 +44,7 @@ struct TileLayout {
 };
 
 // One 16-byte packet of the summed matrix, with the L2 told to fetch the aligned 128 bytes around it
-// (.L2::128B). Bitwise the same result; measured (session 15 harness, 256-byte row pieces): [N, 768]
-// 16.12 -> 15.80 us, [N, 2304] 41.15 -> 39.87, [N, 3072] 51.74 -> 49.36 against .L2::256B.
+// (.L2::128B): faster than .L2::256B at every width (docs/LOG.md), bitwise the same result.
 __device__ __forceinline__ uint4 load_packet_l2_128(const bf16* p) {
   uint4 v;
   asm volatile("ld.global.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -1,33 +1,14 @@
 // LayerNorm (GPT-2) and RMSNorm (Llama), forward and backward: one template serves both, `kLayerNorm`
 // switches the mean subtraction and the bias.
-//
-// Forward, per row of C: mu = mean(x) (LayerNorm only, else 0), r = 1/sqrt(mean((x - mu)^2) + eps),
-// y = (x - mu) r w (+ b). One warp owns a row and keeps it in registers (kChunks 16-byte packets per lane,
-// C <= 256 kChunks), so x is read once; the variance is taken around the mean (two register passes),
-// which is exact where E[x^2] - mu^2 would cancel. The grid is persistent and each warp prefetches its
-// next row while it reduces the current one.
-//
-// Backward, with xhat = (x - mu) r and g = dy w:
-//   dx = r (g - mean(g) - xhat mean(g xhat))      (RMSNorm: no mean(g) term)
-//   dw = sum over rows of dy xhat,  db = sum over rows of dy.
-// dx is added to the residual gradient in the same pass (read dx, add, write), the accumulation a
-// framework does in a separate add. A row is spread over a row group of C/8 threads (rounded up to whole
-// warps), one 16-byte packet per thread; a block holds several row groups (at most 512 threads) and walks
-// rows with a persistent stride. The rows do not travel through registers: each group has a ring of
-// kBackwardStages row slots in shared memory (dy, x and the residual gradient of one row each), filled by
-// 1-D bulk copies (cp.async.bulk, the copy engine) that complete on one mbarrier per slot. Thread 0 of
-// the group refills a slot with the row kBackwardStages rows ahead as soon as the group's own barrier
-// (a named barrier, not __syncthreads, so the groups of a block never wait for each other) shows that
-// every thread has read it. So the bytes in flight no longer cost registers: about 14 KB per 768-wide
-// group, 36 KB per 2048-wide group, while each thread holds only its dw/db columns and one row's packets.
-// At the end each block writes one partial row of dw (and db); the last blocks to take a ticket (an
-// integer counter) wait until every block has one, then each sums slices of 32 partial columns over the
-// blocks in block order: deterministic, and no second launch.
-// Measured (bench_unfused_kernels, b2b, % of 4.2 TB/s): the register-prefetching version 72% (GPT-2) /
-// 77% (Llama) -> ring 84.7% / 88.6%; the in-kernel finish is worth 2.5-3 us against a column_sum launch;
-// 2, 3 or 4 slots are within 2%; fewer row groups per block are slower (GPT-2: 4 groups 82%, 2 groups 80%,
-// 1 group 70%). The same ring for the forward (a warp per row) was slower than its register prefetch
-// (GPT-2 77% vs 80%, Llama 78% vs 85%), so the forward keeps it.
+// Forward: one warp owns a row and keeps it in registers, so x is read once and the variance is taken
+// around the mean (exact where E[x^2] - mu^2 would cancel); persistent grid, next row prefetched.
+// Backward (xhat = (x - mu) r, g = dy w): dx = r (g - mean(g) - xhat mean(g xhat)) (RMSNorm: no mean(g)),
+// added into the residual gradient in the same pass; dw = colsum(dy xhat), db = colsum(dy). A row is spread
+// over a group of C/8 threads; each group has a ring of row slots in shared memory filled by 1-D bulk
+// copies (cp.async.bulk) on one mbarrier per slot and refilled after the group's own named barrier, so the
+// bytes in flight cost no registers. Each block writes one partial row of dw (db); the last blocks to take
+// a ticket sum the partials in block order: deterministic, and no second launch. The forward keeps its
+// register prefetch: the ring was slower there (docs/LOG.md).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -51,8 +32,8 @@ constexpr int kBackwardStages = 3;    // row slots per group
 
 // A persistent grid (as many blocks as fit, no waves): each warp walks rows warp, warp + all warps, ...,
 // and requests the packets of its next row before it reduces the current one. Rows of 1025..2048 values
-// (kChunks 8) also keep w (and b) in registers instead of reloading them from L1 for every row: measured on
-// Llama's 2048-wide rows, 79% -> 85% of 4.2 TB/s; at 768 it does not help, and at kChunks 16 it would spill.
+// (kChunks 8) also keep w (and b) in registers instead of reloading them from L1 for every row (it pays at
+// Llama's 2048-wide rows; at 768 it does not help, and at kChunks 16 it would spill).
 template <int kChunks, bool kLayerNorm>
 __global__ void __launch_bounds__(kForwardWarps * 32) norm_forward_kernel(bf16* y, float* mean_out, float* rstd_out,
                                                                           const bf16* x, const bf16* w, const bf16* b,
