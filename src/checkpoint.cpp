@@ -1,28 +1,10 @@
 // Checkpoints in Hugging Face's format (see checkpoint.hpp for the files).
-//
 // One table drives both directions: hf_tensors() lists, for a model shape, every tensor that HF's
-// GPT2LMHeadModel or LlamaForCausalLM stores, with its HF name and shape and how each of its elements
-// is found in our flat buffer. Saving gathers each HF tensor from the buffer; loading scatters it back,
-// so load is the exact inverse of save by construction. The mappings:
-//  * GPT-2's Conv1D keeps weights as [in, out]: c_attn, c_proj, c_fc and mlp.c_proj are our [out, in]
-//    matrices transposed. Its q/k/v split and head order match our packed qkv rows already.
-//  * Llama's q_proj and k_proj rows are permuted per head. We rotate adjacent pairs (2i, 2i+1) by the
-//    frequency of pair i; HF rotates (i, i + hd/2) with the same frequency, so within a head HF row
-//    half*(hd/2) + i is our row 2i + half. v_proj is a plain slice of the qkv rows.
-//  * Our interleaved SwiGLU rows (2j gate_j, 2j+1 up_j) become gate_proj (even rows) and up_proj (odd).
-//  * Embeddings and the untied head are stored unpadded ([vocab_size, C]); on load the padded rows stay
-//    zero. Tied heads are not stored (HF ties lm_head.weight to the embedding itself).
-// On load of a plain HF directory, tensors HF keeps as buffers (GPT-2's attn.bias causal mask, Llama's
-// rotary inv_freq) and a stored copy of a tied head are ignored; any other unknown tensor is an error.
-//
-// Resume state: trainer_state.json (step, data position, RNG words as decimal strings since JSON
-// readers often hold numbers as doubles, the run config) and optimizer.safetensors with the flat fp32
-// master weights and AdamW moments. The master copy must equal what model.safetensors decodes to,
-// bit for bit; a mismatch means the directory's files do not belong together and is an error.
-//
-// Atomic replace: write DIR.tmp (a stale one from a crash is removed first); then, if DIR exists,
-// rename it to DIR.old, rename DIR.tmp to DIR, and remove DIR.old. At every instant either DIR or
-// DIR.old holds a complete checkpoint.
+// GPT2LMHeadModel or LlamaForCausalLM stores, with its HF name and shape and how each of its elements is
+// found in our flat buffer; saving gathers each HF tensor from the buffer, loading scatters it back, so
+// load is the exact inverse of save by construction. Resume state: trainer_state.json and
+// optimizer.safetensors (fp32 master weights and AdamW moments), which must decode to the same weights as
+// model.safetensors, bit for bit. A checkpoint is replaced atomically (save_checkpoint).
 #include "checkpoint.hpp"
 
 #include <cerrno>
@@ -82,6 +64,17 @@ std::function<int64_t(int64_t)> identity_rows() {
   return [](int64_t r) { return r; };
 }
 
+// The mappings:
+//  * GPT-2's Conv1D keeps weights as [in, out]: c_attn, c_proj, c_fc and mlp.c_proj are our [out, in]
+//    matrices transposed. Its q/k/v split and head order match our packed qkv rows already.
+//  * Llama's q_proj and k_proj rows are permuted per head. We rotate adjacent pairs (2i, 2i+1) by the
+//    frequency of pair i; HF rotates (i, i + hd/2) with the same frequency, so within a head HF row
+//    half*(hd/2) + i is our row 2i + half. v_proj is a plain slice of the qkv rows.
+//  * Our interleaved SwiGLU rows (2j gate_j, 2j+1 up_j) become gate_proj (even rows) and up_proj (odd).
+//  * Embeddings and the untied head are stored unpadded ([vocab_size, C]); on load the padded rows stay
+//    zero. Tied heads are not stored (HF ties lm_head.weight to the embedding itself).
+// On load of a plain HF directory, tensors HF keeps as buffers (GPT-2's attn.bias causal mask, Llama's
+// rotary inv_freq) and a stored copy of a tied head are ignored; any other unknown tensor is an error.
 std::vector<HfTensor> gpt2_tensors(const ModelConfig& c, const ParamLayout& layout, const std::string& prefix) {
   const int64_t C = c.d_model, F = c.d_ff, QKV = c.qkv_dim();
   std::vector<HfTensor> list;
@@ -325,6 +318,8 @@ ModelConfig parse_config(const std::string& path) {
   return c;
 }
 
+// trainer_state.json: step, data position, RNG words as decimal strings (JSON readers often hold numbers as
+// doubles) and the run config.
 nlohmann::json state_json(const TrainerState& state) {
   nlohmann::json rng = nlohmann::json::array();
   for (uint64_t word : state.rng) rng.push_back(std::to_string(word));
@@ -432,6 +427,9 @@ std::vector<HfTensor> hf_tensors(const ModelConfig& c, const ParamLayout& layout
 
 }  // namespace
 
+// Atomic replace: write DIR.tmp (a stale one from a crash is removed first); then, if DIR exists, rename
+// it to DIR.old, rename DIR.tmp to DIR, and remove DIR.old. At every instant either DIR or DIR.old holds
+// a complete checkpoint.
 void save_checkpoint(const std::string& dir, const ModelConfig& model, const float* params, const float* adam_m,
                      const float* adam_v, const TrainerState& state) {
   if (!params || !adam_m || !adam_v)

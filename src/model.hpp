@@ -1,13 +1,17 @@
 // Model shapes and the parameter layout shared by every backend, the checkpoint code and the optimizer.
-//
-// All parameters of a model live in ONE flat fp32 buffer (bf16 copies on the GPU mirror it). Each
-// tensor starts at an offset aligned to kParamAlign elements so that GPU code can use 16-byte vector
-// and TMA access on any tensor; the few padding elements between tensors stay zero forever (their
-// gradient is zero, so AdamW leaves them at zero). Tensors are ordered embedding(s), layer 0 .. layer
-// L-1 (each layer contiguous, so data parallelism can reduce one layer's gradients at a time), final
-// norm, untied LM head.
-//
-// Matrices are stored [out_features, in_features], row-major: a linear layer is y = x W^T (+ b).
+// All parameters live in ONE flat fp32 buffer (bf16 copies on the GPU mirror it), each tensor at an offset
+// aligned to kParamAlign elements (16-byte vector and TMA access on any tensor; the padding stays zero,
+// its gradient being zero). Order: embedding(s), layer 0 .. L-1 (each layer contiguous, so data
+// parallelism can reduce one layer's gradients at a time), final norm, untied LM head. Matrices are
+// [out_features, in_features], row-major: a linear layer is y = x W^T (+ b).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace coda {
+
 // Conventions chosen so that one layout serves the CPU reference, the unfused and the CODA kernels:
 //  * attention projections are one fused matrix qkv_w with rows [q heads | k heads | v heads],
 //    (n_head + 2 n_kv_head) * head_dim rows; its output row per token is the "packed qkv" layout that
@@ -19,14 +23,6 @@
 //  * GPT-2 uses mlp_up_w [d_ff, C] (c_fc) and biases; Llama has no biases.
 //  * The vocabulary is padded to a multiple of 128 (padded_vocab); padded rows of the embedding stay
 //    zero and padded logits are excluded from the softmax.
-#pragma once
-#include <cstddef>
-#include <cstdint>
-#include <string>
-#include <vector>
-
-namespace coda {
-
 enum class Arch { GPT2, Llama };
 
 struct ModelConfig {

@@ -1,26 +1,12 @@
-// The CODA programs of a GPT-2 block (LayerNorm, biases, GELU), each the epilogue of one GEMM.
-// Notation (docs/CODA.md): residual stream h [M, d]; LayerNorm u = (h - mu) r (.) gamma + beta per row
-// (mean mu, r = 1 / sqrt(var + eps)); next GEMM z = u W^T + bias, W [n, d]. Reparameterized forward:
-//   z = r (O W^T - mu c) + b',   O = h (.) gamma,  c = W gamma,  b' = W beta + bias,
-// with the weight-derived vectors c, b' computed once per forward (fused::ln_weight_vectors) and mu, r
-// finished from the partial sums of h and h^2 (NormPartials) that the producer of h wrote, once per row
-// by the program's RowStage (norm_stats.cuh) as each GEMM tile's rows begin.
-//
-// Backward in the scaled form of fused.cuh: the gradient dz of a LayerNormed GEMM is handed on as
-// dz' = r dz, so the dgrad accumulator is D' = dz' W = r du and, with x_hat = (h - mu) r,
-//   dh = D' (.) gamma - k h + e,   k = r^2 S2 / d,  e = k mu - r S1 / d,
-//   S1 = <dz, c>,  S2 = <dz, z> - <dz, b'>     (row dots of the UNSCALED dz, taken by its producer),
-//   dgamma = colsum(D' (.) (h - mu)),  dbeta = colsum(D' / r).
-// The weight gradient dW = dz^T u needs the LayerNorm output u, which no forward epilogue can write (its
-// row statistics are complete only after the GEMM that produced h). The dgrad program, which holds h and
-// the row statistics anyway, stores u / r = (h - mu) (.) gamma + beta / r over O (read by the forward's
-// GEMM only), and the weight gradient is the plain dz'^T (u / r) = dz^T u; the bias gradient is colsum(dz),
-// column partials of dz's producer.
-// The residual gradient d_residual is loaded by each LayerNorm backward (TileLoad<Add>), summed with dh
-// and stored in place; its column sums on the way out are the bias gradient of the projection whose
-// output it is the gradient of (the attention out-projection, or the MLP projection of the layer below).
-// The program type each function returns is the one the GEMM kernel is instantiated with (gemm_run);
-// parameter vectors (gamma, beta, biases) are bf16, weight-derived vectors fp32.
+// The CODA programs of a GPT-2 block (LayerNorm, biases, GELU), each the epilogue of one GEMM; the
+// derivations are in docs/CODA.md ("GPT-2"). Residual stream h [M, d]; LayerNorm u = (h - mu) r (.) gamma
+// + beta; next GEMM z = u W^T + bias, W [n, d]. Forward: z = r (O W^T - mu c) + b' with O = h (.) gamma,
+// c = W gamma, b' = W beta + bias (fused::ln_weight_vectors), mu and r finished from the producer's
+// partials once per row (RowStage, norm_stats.cuh). Backward in the scaled form of fused.cuh:
+// dh = D' (.) gamma - k h + e with k = r^2 S2 / d, e = k mu - r S1 / d, S1 = <dz, c>, S2 = <dz, z> -
+// <dz, b'> (row dots of the unscaled dz); the dgrad stores u / r over O, so dW = dz'^T (u / r); the
+// residual gradient's column sums on the way out are the bias gradient of the projection below.
+// Parameter vectors (gamma, beta, biases) are bf16, weight-derived vectors fp32.
 #pragma once
 #include "kernels/coda/norm_stats.cuh"
 

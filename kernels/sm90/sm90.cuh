@@ -1,24 +1,8 @@
 // Hopper (sm_90a) building blocks of the GEMM (kernels/gemm) and the attention kernels (kernels/attention),
-// one thin inline-PTX wrapper per hardware mechanism, with the hardware's rules written next to each. They
-// live in their own folder because both kernels use them; everything those kernels need and nothing more:
-//
-//  * mbarrier: a 64-bit shared-memory barrier with a phase bit. A phase completes when the expected
-//    number of arrivals AND the expected number of transaction bytes (TMA writes) have both arrived;
-//    waiters poll for "the phase of parity P has completed". A fresh barrier is in phase 0, and a wait
-//    for parity 1 on it succeeds at once: producers start waiting on their "slot empty" barriers with
-//    parity 1, consumers on "slot full" with parity 0.
-//  * TMA (cp.async.bulk.tensor): the copy engine moves a box of a 2-D or 3-D tensor between global and
-//    shared memory, described by a CUtensorMap (made on the host, passed as a __grid_constant__ parameter).
-//    Loads complete on an mbarrier (complete_tx counts the FULL box, out-of-bounds elements are written
-//    as zeros and counted too); stores and reduce-adds are tracked by bulk groups of the issuing thread
-//    and clip out-of-bounds elements. Shared-memory side of a 128B-swizzled box: 1024-byte aligned.
-//  * wgmma: a warpgroup (4 consecutive warps, the first warp index divisible by 4) multiplies tiles
-//    described by shared-memory matrix descriptors (A may instead come from registers, in the layout of
-//    an accumulator fragment); accumulators stay in registers and may not be touched between issue and
-//    wgmma.wait_group.
-//  * setmaxnreg: moves registers between warpgroups; needs a register cap at entry
-//    (__launch_bounds__(threads, 1)) and each role in one branch of one if/else.
-// On the host side, tensor_map_encoder() hands out the driver's cuTensorMapEncodeTiled.
+// one thin inline-PTX wrapper per hardware mechanism, with the hardware's rules written next to each:
+// mbarriers, TMA and bulk copies, wgmma, setmaxnreg, and on the host tensor_map_encoder() (the driver's
+// cuTensorMapEncodeTiled). They live in their own folder because both kernels use them; everything those
+// kernels need and nothing more.
 #pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -37,6 +21,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 // ---- mbarrier -------------------------------------------------------------------------------------
+// A 64-bit shared-memory barrier with a phase bit. A phase completes when the expected number of arrivals
+// AND the expected number of transaction bytes (TMA writes) have both arrived; waiters poll for "the phase
+// of parity P has completed". A fresh barrier is in phase 0, and a wait for parity 1 on it succeeds at
+// once: producers start waiting on their "slot empty" barriers with parity 1, consumers on "slot full"
+// with parity 0.
 // Barrier and TMA-load calls take 32-bit shared-window addresses (smem_u32), as the attention forward
 // computes them, or generic pointers, as the GEMM holds them; the pointer forms convert and forward.
 
@@ -78,6 +67,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) { mbar_wait(smem_u32(bar), parity); }
 
 // ---- TMA ------------------------------------------------------------------------------------------
+// cp.async.bulk.tensor: the copy engine moves a box of a 2-D or 3-D tensor between global and shared
+// memory, described by a CUtensorMap (made on the host, passed as a __grid_constant__ parameter). Loads
+// complete on an mbarrier (complete_tx counts the FULL box; out-of-bounds elements are written as zeros
+// and counted too); stores and reduce-adds are tracked by bulk groups of the issuing thread and clip
+// out-of-bounds elements. Shared-memory side of a 128B-swizzled box: 1024-byte aligned.
 // Coordinates are element indices, innermost (contiguous) dimension first.
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
@@ -167,6 +161,11 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 }
 
 // ---- warpgroup ------------------------------------------------------------------------------------
+// wgmma: a warpgroup (4 consecutive warps, the first warp index divisible by 4) multiplies tiles described
+// by shared-memory matrix descriptors (A may instead come from registers, in the layout of an accumulator
+// fragment); accumulators stay in registers and may not be touched between issue and wgmma.wait_group.
+// setmaxnreg moves registers between warpgroups; it needs a register cap at entry
+// (__launch_bounds__(threads, 1)) and each role in one branch of one if/else.
 
 // Barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (0 is __syncthreads').
 __device__ __forceinline__ void named_barrier(int id, int threads) {
