@@ -1,24 +1,13 @@
 #!/usr/bin/env bash
-# The multi-GPU check, in one go on a machine with N >= 2 GPUs, all with mpirun over N ranks
-# against one rank (coda mode, the default), ending in a summary table:
-#  loss     20 training steps of gpt2-124m (global batch 32 x 1024) and llama3.2-1b (8 x 2048) three
-#           times on one GPU, on N GPUs (batch_size / N each) and on N GPUs with ZeRO-1: the same global
-#           batches, so the curves must agree up to the reduction order. The coda mode is not bitwise
-#           deterministic (fp32 reduce-adds of dQ in the attention backward, split-K reduce order), and the early
-#           steps amplify that, so the one-GPU runs give the floor: per step, the largest difference
-#           between two of them. The limit is max(0.01, 2 x the largest floor) on max |loss difference|,
-#           and the traces of both are printed. The learning rate ramps up over all 20 steps
-#           (warmup_steps 20) to the config's peak;
-#  resume   gpt2-124m's N-GPU run checkpointed at step 10 continues on one GPU to step 20, the one-GPU
-#           run's checkpoint continues on N GPUs; steps 11-20 must match the run that was not interrupted;
-#  scaling  `coda bench --kernels coda` at the same per-GPU batch on 1 and N ranks, plain and ZeRO-1:
-#           tokens/s per GPU at N over one GPU (target >= 90%), device memory per GPU, and the gradient
-#           all-reduce alone (what the backward's overlap hides).
-#
+# The multi-GPU check on a machine with N >= 2 GPUs, mpirun over N ranks against one rank (coda mode),
+# ending in a summary table (docs/DISTRIBUTED.md, "Checks on several GPUs", explains the limits):
+#  loss     20 steps of gpt2-124m and llama3.2-1b, three times on one GPU, on N GPUs and on N GPUs with
+#           ZeRO-1, the same global batches; limit max(0.01, 2 x the one-GPU runs' largest difference);
+#  resume   the N-GPU run's step-10 checkpoint continued on one GPU and the reverse, against the
+#           uninterrupted runs' steps 11-20;
+#  scaling  `coda bench --kernels coda` at the same per-GPU batch on 1 and N ranks, plain and ZeRO-1.
 #   scripts/multi_gpu_check.sh [BIN_DIR]   binaries from BIN_DIR (default build/; build the target coda)
-#   CODA_GPUS=N                            ranks (default: every GPU nvidia-smi lists)
-#   CODA_CHECK_MODELS="gpt2-124m ..."      models of the loss and scaling parts (default both)
-#   CODA_CHECK_PARTS="loss resume scaling" parts to run (default all; resume needs the loss part's runs)
+#   CODA_GPUS=N  CODA_CHECK_MODELS="gpt2-124m ..."  CODA_CHECK_PARTS="loss resume scaling" (resume needs loss)
 # Logs go to $OUT when it is set, else to a temporary directory. Exits non-zero if a step failed or a
 # check missed its limit.
 set -uo pipefail

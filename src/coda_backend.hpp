@@ -1,20 +1,6 @@
 // The CODA mode: the CUDA backend in which every non-attention operation of the forward and backward
 // pass runs in the epilogue of a GEMM (kernels/coda/*_programs.cuh on the GEMM of kernels/gemm), next to
 // the attention kernels and the few passes of kernels/coda/fused.cuh. docs/CODA.md explains each program.
-//
-// CodaBackend holds what both architectures share and derives from CudaBackend, reusing its parameter
-// state, optimizer, data parallelism, I/O and most of its activation buffers, with new meanings where the
-// fused math keeps different tensors:
-//   layers[l].input   h, the residual stream entering layer l        (aux output of the previous residual
-//                                                                        epilogue, or the embedding)
-//   layers[l].norm1   O1 = h (.) gamma1: what the QKV GEMM reads       (main output of the same)
-//   layers[l].mid     h2, the residual stream after attention          (aux output of the out-projection)
-//   layers[l].norm2   O2 = h2 (.) gamma2: what the MLP's up GEMM reads (main output of the out-projection)
-//   acts_.output / acts_.normf   h and O of the final norm
-// (GPT-2: each LayerNorm backward overwrites its O, norm1, norm2 or normf, with u / r for the weight
-// gradient of the GEMM that read it, coda_gpt2.cu)
-// and the norm statistics as row partials (NormStatsBuffers) instead of finished mean/rstd vectors.
-// CodaLlamaBackend (coda_llama.cu) and CodaGpt2Backend (coda_gpt2.cu) run the blocks and the head.
 #pragma once
 #include <memory>
 #include <string>
@@ -28,6 +14,19 @@
 
 namespace coda {
 
+// CodaBackend holds what both architectures share and derives from CudaBackend, reusing its parameter
+// state, optimizer, data parallelism, I/O and most of its activation buffers, with new meanings where the
+// fused math keeps different tensors:
+//   layers[l].input   h, the residual stream entering layer l        (aux output of the previous residual
+//                                                                        epilogue, or the embedding)
+//   layers[l].norm1   O1 = h (.) gamma1: what the QKV GEMM reads       (main output of the same)
+//   layers[l].mid     h2, the residual stream after attention          (aux output of the out-projection)
+//   layers[l].norm2   O2 = h2 (.) gamma2: what the MLP's up GEMM reads (main output of the out-projection)
+//   acts_.output / acts_.normf   h and O of the final norm
+// (GPT-2: each LayerNorm backward overwrites its O, norm1, norm2 or normf, with u / r for the weight
+// gradient of the GEMM that read it, coda_gpt2.cu)
+// and the norm statistics as row partials (NormStatsBuffers) instead of finished mean/rstd vectors.
+// CodaLlamaBackend (coda_llama.cu) and CodaGpt2Backend (coda_gpt2.cu) run the blocks and the head.
 class CodaBackend : public CudaBackend {
  public:
   CodaBackend(const ModelConfig& config, int max_batch, int max_seq_len);

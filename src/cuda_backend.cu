@@ -1,18 +1,4 @@
 // The CUDA backend in the unfused mode; see cuda_backend.hpp for the structure.
-//
-// One block, forward (GPT-2; Llama swaps LayerNorm for RMSNorm, drops the biases, rotates q and k with
-// RoPE after the QKV GEMM, and uses SwiGLU on interleaved gate/up columns instead of GELU):
-//   norm1 = LN(input);          qkv = norm1 Wqkv^T + b;         attn = attention(qkv)
-//   mid = input + (attn Wproj^T + b)
-//   norm2 = LN(mid);            up = norm2 Wup^T + b;           act = gelu(up)
-//   output = mid + (act Wdown^T + b)
-// Every GEMM is one cuBLASLt call (no epilogue), every other operation one kernel of kernels/unfused/.
-// Backward, d_residual carries the gradient of the residual stream from the top down; each norm
-// backward adds its input gradient into it (the residual branch's gradient is the identity). Weight
-// gradients accumulate into the fp32 gradient buffer straight from cuBLASLt (D fp32, beta = 1), bias
-// gradients through column sums, so gradient accumulation over micro-batches costs nothing extra.
-// The LM head's dlogits overwrite the logits in place (they are not needed afterwards).
-//
 // The host computes the embedding backward's token grouping (a counting sort) while the GPU runs the
 // forward pass; the only synchronisation of a step is reading back the per-row losses at its end.
 #include "cuda_backend.hpp"
@@ -290,6 +276,18 @@ void CudaBackend::embedding_forward(int B, int T) {
                              config_.d_model, stream_);
 }
 
+// One block, forward (GPT-2; Llama swaps LayerNorm for RMSNorm, drops the biases, rotates q and k with
+// RoPE after the QKV GEMM, and uses SwiGLU on interleaved gate/up columns instead of GELU):
+//   norm1 = LN(input);          qkv = norm1 Wqkv^T + b;         attn = attention(qkv)
+//   mid = input + (attn Wproj^T + b)
+//   norm2 = LN(mid);            up = norm2 Wup^T + b;           act = gelu(up)
+//   output = mid + (act Wdown^T + b)
+// Every GEMM is one cuBLASLt call (no epilogue), every other operation one kernel of kernels/unfused/.
+// Backward, d_residual carries the gradient of the residual stream from the top down; each norm
+// backward adds its input gradient into it (the residual branch's gradient is the identity). Weight
+// gradients accumulate into the fp32 gradient buffer straight from cuBLASLt (D fp32, beta = 1), bias
+// gradients through column sums, so gradient accumulation over micro-batches costs nothing extra.
+// The LM head's dlogits overwrite the logits in place (they are not needed afterwards).
 void CudaBackend::block_forward(int layer, int B, int T) {
   const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff, U = config_.mlp_up_rows();
   LayerActivations& a = acts_.layers[layer];

@@ -4,18 +4,6 @@
 // of the two known pairs, and the file size must equal 1024 + count * token_bytes exactly (shorter
 // means truncated, longer means the header lies). Token ids are checked against the vocabulary as
 // they are read, so a bad id is reported with its file and position.
-//
-// Loading. The loader never holds a whole dataset, nor even a whole shard: at construction it reads
-// only the headers (token counts), and each window of T+1 tokens is read with one pread from the one
-// shard file it keeps open. Shard s holds floor((n_s - 1) / T) windows; window w covers tokens
-// [w T, w T + T]. One epoch is the sequence of all windows: shards in epoch order, and within a shard
-// its windows in epoch order. Global batch k is the windows [k G, (k+1) G) of that sequence with
-// G = world_size * B, and rank r reads the slice [k G + r B, k G + (r+1) B). The leftover windows
-// (fewer than G) at the end of an epoch are skipped. With shuffling, the shard order of epoch e is a
-// permutation drawn from hash(seed, e), and the window order of shard s in epoch e one drawn from
-// hash(seed, e, s); without it both are the identity. Because every order is a pure function of
-// (seed, epoch, shard), the position is just (epoch, batch): restore() rebuilds everything else, and
-// every rank computes the same orders without communicating.
 #include "data.hpp"
 
 #include <fcntl.h>
@@ -241,6 +229,17 @@ std::vector<std::string> match_shards(const std::string& pattern) {
   return paths;
 }
 
+// Loading. The loader never holds a whole dataset, nor even a whole shard: at construction it reads
+// only the headers (token counts), and each window of T+1 tokens is read with one pread from the one
+// shard file it keeps open. Shard s holds floor((n_s - 1) / T) windows; window w covers tokens
+// [w T, w T + T]. One epoch is the sequence of all windows: shards in epoch order, and within a shard
+// its windows in epoch order. Global batch k is the windows [k G, (k+1) G) of that sequence with
+// G = world_size * B, and rank r reads the slice [k G + r B, k G + (r+1) B). The leftover windows
+// (fewer than G) at the end of an epoch are skipped. With shuffling, the shard order of epoch e is a
+// permutation drawn from hash(seed, e), and the window order of shard s in epoch e one drawn from
+// hash(seed, e, s); without it both are the identity. Because every order is a pure function of
+// (seed, epoch, shard), the position is just (epoch, batch): restore() rebuilds everything else, and
+// every rank computes the same orders without communicating.
 struct DataLoader::Impl {
   struct Shard {
     std::string path;

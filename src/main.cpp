@@ -6,14 +6,6 @@
 // Progress and logs go to stderr, results (val_loss, samples, the bench table) to stdout.
 // Errors end the program with one line on stderr: "error: ..." and exit code 2 for command-line misuse,
 // 1 for everything else (bad config file, bad values, missing files, failures while running).
-//
-// train and bench run data-parallel when a launcher (mpirun, srun) started several processes: init_distributed()
-// finds this process's rank and GPU, a Communicator spans the ranks, and ranks other than 0 log only
-// warnings. zero1 = true makes the communicator also for a single process (ZeRO-1 over one rank, which
-// is how it is tested on one GPU). The device is checked before init_distributed, so a CPU run under a
-// launcher fails with that message and not with MPI's. An error on one rank of several ends the whole job through abort_job
-// (MPI_Abort when MPI is up), before the communicator is torn down: finalizing it would wait for peers
-// that are blocked waiting for this rank.
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -76,6 +68,13 @@ void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunC
 
 }  // namespace
 
+// train and bench run data-parallel when a launcher (mpirun, srun) started several processes: init_distributed()
+// finds this process's rank and GPU, a Communicator spans the ranks, and ranks other than 0 log only
+// warnings. zero1 = true makes the communicator also for a single process (ZeRO-1 over one rank, which
+// is how it is tested on one GPU). The device is checked before init_distributed, so a CPU run under a
+// launcher fails with that message and not with MPI's. An error on one rank of several ends the whole job through abort_job
+// (MPI_Abort when MPI is up), before the communicator is torn down: finalizing it would wait for peers
+// that are blocked waiting for this rank.
 int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("coda"));  // stdout carries results only
   spdlog::set_pattern("[%T] %^%v%$");

@@ -1,19 +1,6 @@
 // Dataset preparation: the byte tokenizer, the built-in synthetic corpus, and `coda prepare`.
 //
 // Byte tokenizer: a token is one byte of the UTF-8 text, so the vocabulary is 256 and decoding is exact.
-//
-// Synthetic corpus: an order-2 Markov source over 256 tokens whose entropy rate is known exactly, so a
-// training run can be judged against the best loss possible. From the seed it draws a permutation P of
-// the 256 tokens, a base[b] in [0, 256) for every token b and a bit[a] in {0, 1} for every token a.
-// After the context (a, b) = (token before last, last token), the next token is uniform over the K
-// distinct tokens P[(base[b] + K bit[a] + j) mod 256], j = 0..K-1. Every context has exactly K equally
-// likely successors, so H(x_t | x_<t) = ln K nats for every t >= 2 and the entropy rate is ln K.
-// The structure is learnable in stages: the last token alone narrows the next one to 2K candidates
-// (a bigram table, loss at most ln 2K), and one bit of the token before picks the half (loss ln K), which
-// needs a previous-token attention head. With K = 4 the stages measure about 5.45 (unigram), 2.0
-// (bigram, <= ln 8 = 2.08) and ln 4 = 1.386.
-// In a window of T tokens the first prediction sees no token before last, so the best mean loss of a
-// window lies between ln K and ln K + (ln 2) / T.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -35,6 +22,18 @@ std::vector<uint32_t> byte_encode(const std::string& text);
 // Throws std::invalid_argument on a token id >= 256.
 std::string byte_decode(const std::vector<uint32_t>& tokens);
 
+// Synthetic corpus: an order-2 Markov source over 256 tokens whose entropy rate is known exactly, so a
+// training run can be judged against the best loss possible. From the seed it draws a permutation P of
+// the 256 tokens, a base[b] in [0, 256) for every token b and a bit[a] in {0, 1} for every token a.
+// After the context (a, b) = (token before last, last token), the next token is uniform over the K
+// distinct tokens P[(base[b] + K bit[a] + j) mod 256], j = 0..K-1. Every context has exactly K equally
+// likely successors, so H(x_t | x_<t) = ln K nats for every t >= 2 and the entropy rate is ln K.
+// The structure is learnable in stages: the last token alone narrows the next one to 2K candidates
+// (a bigram table, loss at most ln 2K), and one bit of the token before picks the half (loss ln K), which
+// needs a previous-token attention head. With K = 4 the stages measure about 5.45 (unigram), 2.0
+// (bigram, <= ln 8 = 2.08) and ln 4 = 1.386.
+// In a window of T tokens the first prediction sees no token before last, so the best mean loss of a
+// window lies between ln K and ln K + (ln 2) / T.
 constexpr int kSyntheticSuccessors = 4;
 
 // ln K nats per token: the entropy rate of SyntheticCorpus with K successors per context.

@@ -1,17 +1,6 @@
 // The fp32 CPU reference model: GPT-2 and Llama forward and backward built from the ops of ref_ops.hpp.
 // It is the spec of the whole trainer; the GPU backends are tested against its activations, loss and
 // gradients.
-//
-// GPT-2 (per token row; h is the residual stream):
-//   h = wte[token] + wpe[t]
-//   per layer: h += attn_proj(attention(qkv(LN1(h))));  h += mlp_down(GELU(mlp_up(LN2(h))))  (all with bias)
-//   logits = LNf(h) wte^T
-// Llama:
-//   h = wte[token]
-//   per layer: h += attn_proj(attention(RoPE(qkv(RMS1(h)))));  h += mlp_down(SwiGLU(mlp_up(RMS2(h))))
-//   logits = RMSf(h) W^T, W = wte (tied) or lm_head
-// Loss: mean over the B*T tokens of cross-entropy against the targets, over the real vocabulary only.
-//
 // Every activation the backward needs is kept in RefActivations, with the first B*T rows valid after a
 // forward of shape (B, T) (lse is [B, n_head, T] for that B and T).
 #pragma once
@@ -22,6 +11,15 @@
 
 namespace coda::ref {
 
+// GPT-2 (per token row; h is the residual stream):
+//   h = wte[token] + wpe[t]
+//   per layer: h += attn_proj(attention(qkv(LN1(h))));  h += mlp_down(GELU(mlp_up(LN2(h))))  (all with bias)
+//   logits = LNf(h) wte^T
+// Llama:
+//   h = wte[token]
+//   per layer: h += attn_proj(attention(RoPE(qkv(RMS1(h)))));  h += mlp_down(SwiGLU(mlp_up(RMS2(h))))
+//   logits = RMSf(h) W^T, W = wte (tied) or lm_head
+// Loss: mean over the B*T tokens of cross-entropy against the targets, over the real vocabulary only.
 struct RefLayerActivations {
   std::vector<float> residual_in;   // [N, C] residual stream entering the layer
   std::vector<float> norm1;         // [N, C] normed input of the qkv projection

@@ -5,17 +5,6 @@
 // bit-identical with any number of threads (and without OpenMP); loops too small to gain run serially.
 // Long sums whose precision sets the accuracy of the reference (norm statistics, softmax normalisers)
 // accumulate in double.
-//
-// Backward math, per operation (d is the gradient of the loss):
-//  * matmul: dx = dy W, dW = dy^T x, db = sum_n dy.
-//  * layernorm: with xhat = (x - mean) rstd and g = dy * w,
-//      dx = rstd (g - mean(g) - xhat mean(g xhat)), dw = sum_n dy xhat, db = sum_n dy.
-//  * rmsnorm: with xhat = x rstd and g = dy * w, dx = rstd (g - xhat mean(g xhat)), dw = sum_n dy xhat.
-//  * attention (per query t, p_s = exp(scale q.k_s - lse)): dv_s = p_s dout, dp_s = dout.v_s,
-//      ds_s = p_s (dp_s - D) with D = dout.out (= sum_s p_s dp_s), dq = scale sum_s ds_s k_s,
-//      dk_s = scale ds_s q.
-//  * swiglu: y = g sigmoid(g) u, dg = dy u sigmoid(g) (1 + g (1 - sigmoid(g))), du = dy g sigmoid(g).
-//  * cross-entropy: dlogits = softmax - onehot.
 #include "ref_ops.hpp"
 
 #include <cmath>
@@ -65,6 +54,16 @@ void matmul_forward(float* y, const float* x, const float* w, const float* b, in
   }
 }
 
+// Backward math, per operation (d is the gradient of the loss):
+//  * matmul: dx = dy W, dW = dy^T x, db = sum_n dy.
+//  * layernorm: with xhat = (x - mean) rstd and g = dy * w,
+//      dx = rstd (g - mean(g) - xhat mean(g xhat)), dw = sum_n dy xhat, db = sum_n dy.
+//  * rmsnorm: with xhat = x rstd and g = dy * w, dx = rstd (g - xhat mean(g xhat)), dw = sum_n dy xhat.
+//  * attention (per query t, p_s = exp(scale q.k_s - lse)): dv_s = p_s dout, dp_s = dout.v_s,
+//      ds_s = p_s (dp_s - D) with D = dout.out (= sum_s p_s dp_s), dq = scale sum_s ds_s k_s,
+//      dk_s = scale ds_s q.
+//  * swiglu: y = g sigmoid(g) u, dg = dy u sigmoid(g) (1 + g (1 - sigmoid(g))), du = dy g sigmoid(g).
+//  * cross-entropy: dlogits = softmax - onehot.
 void matmul_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w, int N, int IC,
                      int OC) {
   if (dx) {
