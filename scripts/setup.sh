@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Shared by run.sh and test.sh (sourced, not run): installs the Debian packages the build needs when
-# any is missing, checks for the CUDA toolkit and NCCL (they come with the machine, not from Debian),
-# and builds everything with CMake + Ninja in build/ (BUILD_DIR overrides; BUILD_JOBS caps parallelism).
+# any is missing (ccache too: CMake uses it when it is there), checks for the CUDA toolkit and NCCL (they
+# come with the machine, not from Debian), and builds with CMake + Ninja in build/ (BUILD_DIR overrides;
+# BUILD_JOBS caps parallelism; CODA_CMAKE_ARGS adds configure options, e.g. -DCODA_BENCHMARKS=ON).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,7 +13,7 @@ install_missing_packages() {
   # them. libopenmpi-dev is only needed to launch with mpirun (the build works without MPI).
   local missing=()
   local tool
-  for tool in cmake:cmake ninja:ninja-build g++:g++; do
+  for tool in cmake:cmake ninja:ninja-build g++:g++ ccache:ccache; do
     command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool##*:}")
   done
   local package
@@ -40,6 +41,7 @@ find_cuda() {
 build() {
   install_missing_packages
   find_cuda
-  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  # shellcheck disable=SC2086 # CODA_CMAKE_ARGS is a list of options
+  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CODA_CMAKE_ARGS:-} >/dev/null
   cmake --build "$BUILD_DIR" -j "${BUILD_JOBS:-$(nproc)}" "$@"
 }

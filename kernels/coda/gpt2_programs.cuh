@@ -6,7 +6,8 @@
 // dh = D' (.) gamma - k h + e with k = r^2 S2 / d, e = k mu - r S1 / d, S1 = <dz, c>, S2 = <dz, z> -
 // <dz, b'> (row dots of the unscaled dz); the dgrad stores u / r over O, so dW = dz'^T (u / r); the
 // residual gradient's column sums on the way out are the bias gradient of the projection below.
-// Parameter vectors (gamma, beta, biases) are bf16, weight-derived vectors fp32.
+// Parameter vectors (gamma, beta, biases) are bf16, weight-derived vectors fp32. Each function's program
+// type is named below it: the kernels are compiled for those (CMakeLists.txt, CODA_GEMM_PROGRAMS).
 #pragma once
 #include "kernels/coda/norm_stats.cuh"
 
@@ -28,11 +29,13 @@ inline auto ln_linear_then(const NormPartials& stats, const float* c, const floa
 inline auto ln_linear_program(const NormPartials& stats, const float* c, const float* b_prime) {
   return ln_linear_then(stats, c, b_prime);
 }
+using LnLinearProgram = decltype(ln_linear_program({}, nullptr, nullptr));
 
 // fc: pre = LN(h) Wfc^T + bias kept as aux output [M, f]; main output gelu(pre).
 inline auto fc_program(const NormPartials& stats, const float* c, const float* b_prime, bf16* pre, int f) {
   return ln_linear_then(stats, c, b_prime, StoreAux<bf16>(pre, f), Elementwise<Gelu>());
 }
+using FcProgram = decltype(fc_program({}, nullptr, nullptr, nullptr, 0));
 
 // LM head (tied wte, no bias: b' = W beta) with the final LayerNorm: logits, the target logit and
 // per-N-tile log-sum-exp partials over the first `vocab` columns (the padded ones take no part).
@@ -41,6 +44,7 @@ inline auto lm_head_program(const NormPartials& stats, const float* c, const flo
   return ln_linear_then(stats, c, b_prime, RowPick(targets, target_logit),
                         RowReduce<LogSumExp>(lse_partials, vocab));
 }
+using LmHeadProgram = decltype(lm_head_program({}, nullptr, nullptr, nullptr, nullptr, nullptr, 0));
 
 // Attention out-projection and MLP projection: h = x W^T + bias + res, kept as aux output h [M, d];
 // row partials of h and h^2 for the next LayerNorm (NormPartials); main output O = h (.) gamma_next.
@@ -50,6 +54,7 @@ inline auto residual_program(const bf16* res, const bf16* bias, bf16* h, int d, 
                       RowReduce<Sum>(sum_partials), RowReduce<SumSquares>(sumsq_partials),
                       ColBroadcast<Mul, bf16>(gamma_next));
 }
+using ResidualProgram = decltype(residual_program(nullptr, nullptr, nullptr, 0, nullptr, nullptr, nullptr));
 
 // MLP projection dgrad with the GELU backward and the fc's LayerNorm statistics: the accumulator
 // D = dres Wproj is the gradient of gelu(pre); dz = D gelu'(pre) (the gradient of the fc output z = pre);
@@ -62,6 +67,7 @@ inline auto proj_dgrad_program(const bf16* pre, int f, const NormPartials& stats
                       RowDot<Tile>(Tile{pre, f}, dots.z), RowDot<ColVector>(ColVector{c}, dots.c),
                       RowDot<ColVector>(ColVector{b_prime}, dots.b), RowBroadcast<Mul, RowOf<LnRstd>>(LnRstd{}));
 }
+using ProjDgradProgram = decltype(proj_dgrad_program(nullptr, 0, {}, nullptr, nullptr, {}, nullptr));
 
 // The column partials a LayerNorm backward writes ([groups of 16 rows, d] each): dgamma, dbeta, and the
 // column sums of the new residual gradient (a projection's bias gradient).
@@ -99,7 +105,7 @@ struct LnOutputOverRstd {
     gamma.load(f, ctx, g);
     beta.load(f, ctx, b);
     inv_rstd.load(f, ctx, s);
-    CODA_FOR_VALUES(i, f) x[i] = fmaf(x[i], g[i], b[i] * s[i]);
+    for_values(f, [&](int i) { x[i] = fmaf(x[i], g[i], b[i] * s[i]); });
   }
 };
 
@@ -118,5 +124,7 @@ inline auto ln_backward_program(const NormPartials& stats, const LnDots& dots, c
                       ColDot<Ones>(Ones{}, cols.residual, d),
                       StoreAuxOf<bf16, LnOutputOverRstd>(LnOutputOverRstd(h, d, gamma, beta), norm_out_over_rstd, d));
 }
+using LnBackwardProgram =
+    decltype(ln_backward_program({}, {}, nullptr, 0, nullptr, nullptr, nullptr, {}, nullptr));
 
 }  // namespace coda::prog::gpt2

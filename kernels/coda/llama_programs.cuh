@@ -9,7 +9,8 @@
 //   dh = D' (.) gamma - k h,   k = r^2 <dz, z> / d,   dgamma = sum over rows of D' (.) h,
 // where <dz, z> = <du, u> is taken on the UNSCALED dz as row partials by whoever produces dz (the SwiGLU
 // backward here, the dlogits pass, the attention backward's write-out) and finished by RmsBackwardCoef.
-// The program type each function returns is the one the GEMM kernel is instantiated with (gemm_run).
+// The program type each function returns (named below it) is the one the GEMM kernel is compiled for
+// (CMakeLists.txt, CODA_GEMM_PROGRAMS).
 // Parameter vectors (gamma) are the bf16 weight copy; aux outputs are bf16 (what the trainer keeps);
 // main outputs are the GEMM's store (bf16, plain or accumulate).
 #pragma once
@@ -28,6 +29,8 @@ template <int kHeadDim>
 inline auto qkv_program(const NormPartials& stats, const Rope<kHeadDim>& rope) {
   return make_program(RowScale(RmsRstd{stats}), Pairwise<Rope<kHeadDim>>(rope));
 }
+template <int kHeadDim>
+using QkvProgram = decltype(qkv_program(NormPartials{}, Rope<kHeadDim>(0, 0, 0.0f)));
 
 // Out projection and down projection: h = x W^T + res (the residual add, res loaded as a tile), kept as
 // aux output h; partial sums of h^2 for the next norm; main output O = h (.) gamma_next.
@@ -35,6 +38,7 @@ inline auto residual_program(const bf16* res, bf16* h, int d, const bf16* gamma_
   return make_program(TileLoad<Add>(res, d), StoreAux<bf16>(h, d), RowReduce<SumSquares>(sumsq_partials),
                       ColBroadcast<Mul, bf16>(gamma_next));
 }
+using ResidualProgram = decltype(residual_program(nullptr, nullptr, 0, nullptr, nullptr));
 
 // Gate/up projection (rows of Wgu interleaved gate, up): (g, u) = diag(r) (O Wgu^T), kept as aux output
 // gu [M, 2F] for the backward; main output silu(g) u [M, F] (saved: the down projection's input and
@@ -42,6 +46,7 @@ inline auto residual_program(const bf16* res, bf16* h, int d, const bf16* gamma_
 inline auto gate_up_program(const NormPartials& stats, bf16* gu, int two_f) {
   return make_program(RowScale(RmsRstd{stats}), StoreAux<bf16>(gu, two_f), Pairwise<SwiGlu>());
 }
+using GateUpProgram = decltype(gate_up_program({}, nullptr, 0));
 
 // LM head with the final norm: logits = diag(r) (O Wv^T) over the padded vocabulary; the target logit
 // and per-N-tile online log-sum-exp partials over the columns < vocab, so loss = merge_lse(partials) -
@@ -51,6 +56,7 @@ inline auto lm_head_program(const NormPartials& stats, const int32_t* targets, f
   return make_program(RowScale(RmsRstd{stats}), RowPick(targets, target_logit),
                       RowReduce<LogSumExp>(lse_partials, vocab));
 }
+using LmHeadProgram = decltype(lm_head_program({}, nullptr, nullptr, nullptr, 0));
 
 // Dgrad of a normed GEMM (QKV, gate/up, LM head) with the RMSNorm backward, accumulator D' = dz' W = r du:
 //   column partials of D' (.) h: dgamma;   dh = D' (.) gamma - k h,   k = r^2 <dz, z> / d
@@ -62,6 +68,7 @@ inline auto norm_backward_program(const NormPartials& stats, const float* dot_pa
                       SubScaled<Tile, RowOf<RmsBackwardCoef>>(RmsBackwardCoef{stats, dot_partials, dot_count},
                                                               Tile{h, d}));
 }
+using NormBackwardProgram = decltype(norm_backward_program({}, nullptr, 0, nullptr, 0, nullptr, nullptr));
 
 // Down-projection dgrad with the SwiGLU backward: accumulator da = dres Wdown, the gradient of
 // a = silu(g) u [M, F]. From the saved (g, u) it makes the interleaved dz = (dg, du) [M, 2F], takes the
@@ -71,5 +78,6 @@ inline auto swiglu_backward_program(const bf16* gu, int two_f, const NormPartial
   return make_program(SwiGluBackward<bf16>(gu, two_f, nullptr, two_f / 2),
                       RowDot<Tile>(Tile{gu, two_f}, dot_partials), RowScale(RmsRstd{stats}));
 }
+using SwigluBackwardProgram = decltype(swiglu_backward_program(nullptr, 0, {}, nullptr));
 
 }  // namespace coda::prog::llama

@@ -55,15 +55,12 @@
 
 namespace coda::epi {
 
-// Loops over the values of a Frag run to the constant Frag::kMaxWidth and test f.width, and are unrolled:
-// a loop to the run-time f.width that stays rolled (long programs exceed the unroller's budget) indexes
-// f.v at run time, which puts the Frag, and with it the program's per-row state, in local memory.
-#if defined(__CUDACC__)
+// An unrolled loop in device code (a pragma the host compiler does not know).
+#if defined(__CUDA_ARCH__)
 #define CODA_UNROLL _Pragma("unroll")
 #else
 #define CODA_UNROLL
 #endif
-#define CODA_FOR_VALUES(i, f) CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < (f).width)
 
 struct Frag {
   static constexpr int kMaxWidth = 4;
@@ -95,6 +92,17 @@ struct Frag {
   // column_stage, ColVectorOf), a constant of the GEMM's configuration; the host leaves it false.
   bool columns_staged = false;
 };
+
+// fn(i) for each value i < f.width of a fragment. The loop runs to the constant Frag::kMaxWidth, tests
+// f.width and is unrolled: a loop to the run-time f.width that stays rolled (long programs exceed the
+// unroller's budget) indexes f.v at run time, which puts the Frag, and with it the program's per-row
+// state, in local memory.
+template <class Fn>
+CODA_HD void for_values(const Frag& f, Fn&& fn) {
+  CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) {
+    if (i < f.width) fn(i);
+  }
+}
 
 // Output column of f.v[0].
 CODA_HD int out_col(const Frag& f) { return f.col * f.expand / f.stride; }
@@ -264,9 +272,10 @@ CODA_HD void store_values(T* p, int n, const float* x) {
       *p = x[0];
   } else {
     if (n == 4) {
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(x[0], x[1]), hi = __floats2bfloat162_rn(x[2], x[3]);
-      *reinterpret_cast<uint2*>(p) =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+      const __nv_bfloat162 pairs[2] = {__floats2bfloat162_rn(x[0], x[1]), __floats2bfloat162_rn(x[2], x[3])};
+      uint2 bits;
+      memcpy(&bits, pairs, sizeof(bits));
+      *reinterpret_cast<uint2*>(p) = bits;
     } else if (n == 2) {
       *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x[0], x[1]);
     } else {
@@ -300,7 +309,8 @@ inline void add_tile_source(TileSource* sources, int slot, const __nv_bfloat16* 
 // of a warp's quads then fall in different banks); rows >= M and columns past the matrix were
 // zero-filled by TMA. Host: from the matrix.
 template <int kSlot>
-CODA_HD void load_tile(const TileSource& t, const Frag& f, const RowCtx& ctx, int col, int n, float* x) {
+CODA_HD void load_tile(const TileSource& t, const Frag& f, [[maybe_unused]] const RowCtx& ctx, int col, int n,
+                       float* x) {
 #if defined(__CUDA_ARCH__)
   const int linear = (f.row - ctx.tile_row0) * ctx.tile_row_bytes + (col - ctx.tile_col0) * 2;
   const int swizzled = linear ^ (((linear >> 7) & (ctx.tile_row_bytes / 16 - 1)) << 4);
@@ -389,16 +399,14 @@ CODA_HD void sincos_turns(float turns, float* s, float* c) {
 // kHeadDim is a power of two (64 or 128 in the trainer: the attention kernels' head sizes). Columns >=
 // rot_cols (v heads) are computed too and then replaced by the input: a select instead of a branch, so
 // the compiler can interleave the fragments' dependency chains (with a branch per fragment the RoPE
-// epilogue ran one chain at a time and cost +20-30%).
+// epilogue runs one chain at a time).
 // GPU: computed per fragment, RoPE is bound by the special-function unit (an exp2, a sine and a cosine
-// per pair; 16 such operations per clock per SM: +8% over the bare llama QKV GEMM, bench_gemm
-// --epilogues). But a pair's angle depends only on its row and on its column modulo kHeadDim, and where
+// per pair; 16 such operations per clock per SM). But a pair's angle depends only on its row and on its column modulo kHeadDim, and where
 // a chunk's columns are whole heads (8 chunk_groups % kHeadDim == 0: heads of <= 64 columns in the
 // 64-column chunks of bf16 outputs) a thread's fragment of group g meets the same pair index in every
 // chunk. Its 2 rows x 8 groups of (sin, cos) are then computed once per tile in begin_rows (under the
 // first MMAs, with the same formula, so the values are the ones the per-fragment path would compute)
-// and the chunk bodies only rotate: llama3.2-1b's QKV program 296 -> 290 us, RoPE alone +7.5% -> +3.3%
-// over the bare GEMM. Wider heads, ping-pong 128x128 tiles (Frag::chunk_groups) and the host compute
+// and the chunk bodies only rotate, at half RoPE's per-fragment cost. Wider heads, ping-pong 128x128 tiles (Frag::chunk_groups) and the host compute
 // per fragment.
 template <int kHeadDim>
 struct Rope {
@@ -477,7 +485,7 @@ struct NoTiles {
 struct Ones : NoTiles {
   CODA_HD void begin_rows(const RowCtx&) {}
   CODA_HD void load(const Frag& f, const RowCtx&, float* x) const {
-    CODA_FOR_VALUES(i, f) x[i] = 1.0f;
+    for_values(f, [&](int i) { x[i] = 1.0f; });
   }
 };
 
@@ -486,7 +494,7 @@ struct Ones : NoTiles {
 // were a third of the LM head's epilogue stalls, ncu). One 128-byte line per thread of the warpgroup.
 // For configurations without room to stage the vector in shared memory (copy_columns).
 template <class T>
-CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
+CODA_HD void prefetch_columns([[maybe_unused]] const T* vec, [[maybe_unused]] const RowCtx& ctx) {
 #if defined(__CUDA_ARCH__)
   constexpr int kLine = 128 / static_cast<int>(sizeof(T));  // vector entries per line
   const int first = ctx.n0 * ctx.expand / ctx.stride;
@@ -501,9 +509,8 @@ CODA_HD void prefetch_columns(const T* vec, const RowCtx& ctx) {
 // entries per thread of the warpgroup and round), as the tile's rows begin: on the ping-pong tiles that
 // is under the other consumer's mainloop, and the epilogue reads the copy at shared-memory latency. The
 // copies are asynchronous (cp.async: the thread goes on to its turn without waiting for the loads; the
-// GEMM waits for them before the tile's first chunk, gemm_kernel.cuh). With the L1 prefetch above, the
-// loads of c and b' still waited on L2 in 13% of the gpt2 LM head's stall samples (ncu, ping-pong
-// 64x256): L1 is what the 200+ KB of shared memory leave of 256 KB. The first
+// GEMM waits for them before the tile's first chunk, gemm_kernel.cuh). With the L1 prefetch alone, the
+// loads of c and b' still wait on L2 (ncu): L1 is what the 200+ KB of shared memory leave of 256 KB. The first
 // chunk's named barrier orders the copy before every read; the last chunk's, every read of a tile before
 // the next tile's copy. Returns the shared address of the vector's entry 0 (its tile's entries at their
 // own columns).
@@ -575,7 +582,7 @@ struct ColVectorOf : NoTiles {
         else
           load_staged_bf16(addr, f.width, group_entries);
       }
-      CODA_FOR_VALUES(i, f) x[i] = group_entries[i];
+      for_values(f, [&](int i) { x[i] = group_entries[i]; });
       return;
     }
 #endif
@@ -607,7 +614,7 @@ struct RowOf : NoTiles {
       if (ctx.has_slot(s)) value[s] = ctx.rows[s] < ctx.M ? row_value(stat, ctx, s) : 0.0f;
   }
   CODA_HD void load(const Frag& f, const RowCtx&, float* x) const {
-    CODA_FOR_VALUES(i, f) x[i] = value[f.slot];
+    for_values(f, [&](int i) { x[i] = value[f.slot]; });
   }
 };
 
@@ -664,7 +671,7 @@ struct Difference {
     float y[Frag::kMaxWidth];
     a.load(f, ctx, x);
     b.load(f, ctx, y);
-    CODA_FOR_VALUES(i, f) x[i] -= y[i];
+    for_values(f, [&](int i) { x[i] -= y[i]; });
   }
 };
 
@@ -723,7 +730,7 @@ struct RowBroadcast : Primitive {
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     float xs[Frag::kMaxWidth];
     x.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], xs[i]);
+    for_values(f, [&](int i) { f.v[i] = Op()(f.v[i], xs[i]); });
   }
 };
 
@@ -738,7 +745,7 @@ struct ColBroadcast : Primitive {
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     float xs[Frag::kMaxWidth];
     vec.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], xs[i]);
+    for_values(f, [&](int i) { f.v[i] = Op()(f.v[i], xs[i]); });
   }
 };
 
@@ -753,7 +760,7 @@ struct TileLoad : Primitive {
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     float xs[Frag::kMaxWidth];
     tile.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) f.v[i] = Op()(f.v[i], xs[i]);
+    for_values(f, [&](int i) { f.v[i] = Op()(f.v[i], xs[i]); });
   }
 };
 
@@ -763,7 +770,7 @@ struct Elementwise : Primitive {
   F fn;
   CODA_HD explicit Elementwise(const F& f = F()) : fn(f) {}
   CODA_HD void visit(Frag& f, const RowCtx&) {
-    CODA_FOR_VALUES(i, f) f.v[i] = fn(f.v[i]);
+    for_values(f, [&](int i) { f.v[i] = fn(f.v[i]); });
   }
 };
 
@@ -788,8 +795,8 @@ struct Pairwise : Primitive {
 // column], row stride ld. The main output is stored by the GEMM after the program.
 // GPU, bf16 pairs on interior tiles: the four lanes of a quad hold a row's 8 columns of each group, one
 // 32-bit pair each. One 4-byte store per fragment had a warp write 8 rows x 16 bytes per instruction
-// (half sectors), and cost +49% over the bare GEMM at gpt2's fc shape (bench_gemm --epilogues, "aux store
-// only"). So a slot's pairs of a batch of four groups (kBatchGroups) are kept, transposed across the
+// (half sectors), and cost nearly half the bare GEMM's time again at gpt2's fc shape (bench_gemm
+// --epilogues, "aux store only"). So a slot's pairs of a batch of four groups (kBatchGroups) are kept, transposed across the
 // quad in two butterfly rounds of two shuffles, after which lane l holds the 8 columns of the batch's
 // group l, and stored 16 bytes per lane: 8 rows x 64 contiguous bytes per warp instruction. Edge tiles and
 // other widths store per fragment. bf16 rows must be 16-byte aligned (ld a multiple of 8).
@@ -1025,17 +1032,19 @@ struct RowReduce : Primitive {
   float pending[2][kBatch] = {};  // GPU, batched kinds: the slot's values of the current four groups
   CODA_HD explicit RowReduce(typename Kind::Out* o, int end = kNoColumnEnd) : out(o), col_end(end) {}
   CODA_HD int column_end() const { return col_end; }
-  CODA_HD void begin_rows(const RowCtx& ctx) {
+  CODA_HD void begin_rows(const RowCtx&) {
     for (int s = 0; s < RowCtx::kMaxSlots; ++s) Kind::init(a[s], b[s]);
   }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     const int c = out_col(f);
     const bool in = in_columns(f, ctx);
-    float x[Frag::kMaxWidth];
-    CODA_FOR_VALUES(i, f) x[i] = f.interior || (in && c + i < col_end) ? f.v[i] : Kind::masked();
+    float x[Frag::kMaxWidth] = {};
+    for_values(f, [&](int i) {
+      x[i] = f.interior || (in && c + i < col_end) ? f.v[i] : Kind::masked();
+    });
 #if defined(__CUDA_ARCH__)
     if constexpr (Kind::kBatched) {
-      CODA_FOR_VALUES(i, f) pending[f.slot][group_in_batch(f) * f.width + i] = x[i];
+      for_values(f, [&](int i) { pending[f.slot][group_in_batch(f) * f.width + i] = x[i]; });
       if (!ends_batch(f)) return;
       if (f.width == 1)
         add_pending<4>(f.slot);
@@ -1091,7 +1100,7 @@ struct SubScaled : Primitive {
     float as[Frag::kMaxWidth], xs[Frag::kMaxWidth];
     alpha.load(f, ctx, as);
     x.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) f.v[i] -= as[i] * xs[i];
+    for_values(f, [&](int i) { f.v[i] -= as[i] * xs[i]; });
   }
 };
 
@@ -1112,7 +1121,7 @@ struct RowDot : RowReduce<Sum> {
     const bool in = in_columns(f, ctx);
     float xs[Frag::kMaxWidth];
     x.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) a[f.slot] = fmaf(in ? f.v[i] : 0.0f, xs[i], a[f.slot]);
+    for_values(f, [&](int i) { a[f.slot] = fmaf(in ? f.v[i] : 0.0f, xs[i], a[f.slot]); });
   }
 };
 
@@ -1143,17 +1152,17 @@ struct ColDot : Primitive {
     const bool in = in_columns(f, ctx) && in_rows(f, ctx);
     float xs[Frag::kMaxWidth], y[Frag::kMaxWidth];
     x.load(f, ctx, xs);
-    CODA_FOR_VALUES(i, f) y[i] = in ? f.v[i] * xs[i] : 0.0f;
+    for_values(f, [&](int i) { y[i] = in ? f.v[i] * xs[i] : 0.0f; });
 #if defined(__CUDA_ARCH__)
     if (f.slot == 0) {
-      CODA_FOR_VALUES(i, f) first[i] = y[i];
+      for_values(f, [&](int i) { first[i] = y[i]; });
       return;
     }
-    CODA_FOR_VALUES(i, f) quad[group_in_batch(f) * f.width + i] = y[i] + first[i];
+    for_values(f, [&](int i) { quad[group_in_batch(f) * f.width + i] = y[i] + first[i]; });
     if (ends_batch(f)) write_quad(f, ctx);
 #else
     float* p = out + static_cast<size_t>(f.row / kRows) * ld + out_col(f);
-    CODA_FOR_VALUES(i, f) p[i] = (f.row % kRows == 0 ? 0.0f : p[i]) + y[i];
+    for_values(f, [&](int i) { p[i] = (f.row % kRows == 0 ? 0.0f : p[i]) + y[i]; });
 #endif
   }
 #if defined(__CUDA_ARCH__)
@@ -1204,18 +1213,18 @@ struct SwiGluBackward : Primitive {
     float out[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pairs[4], y[Frag::kMaxWidth];
     const int c0 = out_col(f);
     load_tile<kSlot>(TileSource{gu.src, gu.ld}, f, ctx, 2 * c0, 2 * f.width, pairs);
-    CODA_FOR_VALUES(i, f) {
+    for_values(f, [&](int i) {
       const float g = pairs[2 * i], u = pairs[2 * i + 1];
       const float s = fast_sigmoid(g), silu = g * s;
       out[2 * i] = f.v[i] * u * fmaf(g, fmaf(-s, s, s), s);  // s (1 + g (1 - s))
       out[2 * i + 1] = f.v[i] * silu;
       y[i] = silu * u;
-    }
+    });
     if (act != nullptr && in_columns(f, ctx) && in_rows(f, ctx))
       store_values(act + static_cast<size_t>(f.row) * ld_act + c0, f.width, y);
     f.width *= 2;
     f.expand *= 2;
-    CODA_FOR_VALUES(i, f) f.v[i] = out[i];
+    for_values(f, [&](int i) { f.v[i] = out[i]; });
   }
 };
 

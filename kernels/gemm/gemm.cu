@@ -140,6 +140,13 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
   return l;
 }
 
+void throw_tile_not_compiled(GemmTile tile, const char* program_type) {
+  throw std::invalid_argument(std::string("gemm: this build compiles no ") + gemm_tile_name(tile) +
+                              " kernel for the program " + profile::type_name(program_type) +
+                              " (its tile rule never picks that tile; configure with -DCODA_ALL_TILES=ON to force "
+                              "any tile)");
+}
+
 std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, int K) {
   const char* name = layout == GemmLayout::Forward ? "fwd" : layout == GemmLayout::Dgrad ? "dgrad" : "wgrad";
   return std::string("gemm ") + name + " " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) +
@@ -148,17 +155,21 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 
 }  // namespace gemm_detail
 
-// Measured (docs/GEMM.md). Bare GEMMs: ping-pong wins where the epilogue is a noticeable share of a tile (K up
-// to a few thousand) unless N is narrow; the larger cooperative tile wins for long K and for the weight
-// gradients of large outputs, the 128 x 128 ping-pong for those of outputs under 2048 x 2048 (gpt2's 2304 x 768,
-// 3072 x 768, 768 x 3072: 738 / 729 / 737 against 710 / 709 / 694 TFLOP/s, session 11; llama's 2048 x 2048 739
-// on the cooperative tile against 726). Programs (every CODA program of both trainers on each tile,
-// CODA_GEMM_TILE): since the ping-pong consumers finish their per-row work before they wait for their turn
-// (gemm_kernel.cuh), the 64 x 256 ping-pong wins on most programs, by up to 11% (llama LM head, gpt2 QKV); the
-// 128 x 128 ping-pong stays ahead on the narrow forward programs (the residual programs, N = d_model <= 2048, K
-// <= 4096), and the cooperative tile on the long-K ones (the LM-head dgrads, K >= 8192) and on the two-input
-// LayerNorm backward (three ring stages on the 64 x 256 tile: 299 vs 319 us at gpt2's fc). The 64 x 256 tile has
-// the cooperative tile's N width, so a program's row partial count (gemm_row_partials) is the same on either.
+// The rule, from measurements of every bare GEMM and every CODA program on each tile (docs/GEMM.md, docs/LOG.md).
+// Bare GEMMs: ping-pong 128x128 where the epilogue is a noticeable share of a tile (K up to a few thousand) unless
+// N is narrow; the cooperative tile for long K and for the weight gradients of large outputs, ping-pong 128x128
+// for those of outputs under 2048 x 2048. Programs: ping-pong 64x256 (its consumers finish their per-row work
+// before they wait for their turn, gemm_kernel.cuh), except ping-pong 128x128 for the narrow forward programs
+// (N = d_model <= 2048, K <= 4096) and the cooperative tile for long K (K >= 8192) and for the two-input LayerNorm
+// backward (three ring stages on the 64x256 tile). The 64x256 tile has the cooperative tile's N width, so a
+// program's row partial count (gemm_row_partials) is the same on either.
+std::vector<GemmTile> gemm_tiles_compiled(GemmLayout layout, GemmEpilogue epilogue) {
+  std::vector<GemmTile> tiles;
+  for (GemmTile t : kGemmTiles)
+    if (gemm_tile_compiled(layout, epilogue, t)) tiles.push_back(t);
+  return tiles;
+}
+
 GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, GemmEpilogue epilogue) {
   if (gemm_detail::forced_tile() != GemmTile::Auto) return gemm_detail::forced_tile();
   if (epilogue != GemmEpilogue::Bare) {

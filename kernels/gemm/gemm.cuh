@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <vector>
+
 namespace coda {
 
 enum class GemmLayout { Forward, Dgrad, Wgrad };
@@ -32,7 +34,33 @@ inline constexpr GemmTile kGemmTiles[] = {GemmTile::Cooperative128x256, GemmTile
 // inputs (whose chunk buffers leave the ping-pong 64x256 tile three ring stages).
 enum class GemmEpilogue { Bare, Program, TwoTileInputs };
 
-// The tile Auto picks for a GEMM of this shape and epilogue.
+// The tiles gemm_choose_tile can pick for some shape of this layout and epilogue: the cooperative tile
+// always; ping-pong 128x128 for bare GEMMs and forward programs; ping-pong 64x256 for programs with at
+// most one tile input.
+constexpr bool gemm_tile_can_be_chosen(GemmLayout layout, GemmEpilogue epilogue, GemmTile tile) {
+  switch (tile) {
+    case GemmTile::Cooperative128x256: return true;
+    case GemmTile::PingPong128x128: return epilogue == GemmEpilogue::Bare || layout == GemmLayout::Forward;
+    case GemmTile::PingPong64x256: return epilogue == GemmEpilogue::Program;
+    case GemmTile::Auto: break;
+  }
+  return false;
+}
+
+// The tiles this build compiles a GEMM kernel for: those the rule can pick, or every tile where the build
+// is configured with CODA_ALL_TILES (benchmarks and tests of every tile, CODA_GEMM_TILE).
+#ifndef CODA_ALL_TILES
+#error "CODA_ALL_TILES must be defined (0 or 1) by the build, the same for every file"
+#endif
+inline constexpr bool kGemmAllTiles = CODA_ALL_TILES != 0;
+constexpr bool gemm_tile_compiled(GemmLayout layout, GemmEpilogue epilogue, GemmTile tile) {
+  return tile != GemmTile::Auto && (kGemmAllTiles || gemm_tile_can_be_chosen(layout, epilogue, tile));
+}
+// The compiled tiles as a list (tests and benchmarks loop over it).
+std::vector<GemmTile> gemm_tiles_compiled(GemmLayout layout, GemmEpilogue epilogue);
+
+// The tile Auto picks for a GEMM of this shape and epilogue (always one of gemm_tile_can_be_chosen's), or
+// the tile CODA_GEMM_TILE forces.
 GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, GemmEpilogue epilogue);
 int gemm_tile_n(GemmTile tile);  // N tile width: row partials of a program come per tile_n columns
 int gemm_tile_m(GemmTile tile);  // M tile height

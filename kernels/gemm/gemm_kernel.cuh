@@ -55,21 +55,15 @@
 #include <type_traits>
 
 #include "kernels/epilogue/epilogue.cuh"
+#include "kernels/gemm/gemm_params.cuh"
 #include "kernels/launch.cuh"
 #include "kernels/sm90/sm90.cuh"
 
-namespace coda::gemm_detail {
+#ifndef CODA_GEMM_INTERIOR_BODY
+#define CODA_GEMM_INTERIOR_BODY 1
+#endif
 
-// Runtime description of one launch (host fills it, every role of every CTA reads it).
-struct Params {
-  int M, N, K;         // accumulator shape
-  int k_blocks;        // ceil(K / 64)
-  int tiles_m, tiles_n;
-  int group_m;         // tile rows per L2 group
-  int splits;          // K ranges per tile (1: whole tiles)
-  int kb_per_split;    // k-blocks per K range: ceil(k_blocks / splits)
-  int accumulate;      // 1: D += result (TMA reduce-add); 0: D = result
-};
+namespace coda::gemm_detail {
 
 template <int kBM_, int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_,
           int kColumnBytes_>
@@ -90,11 +84,11 @@ struct Config {
   // A program's single bf16 tile input beside a bf16 output comes into the output's own staging buffers
   // (the input chunk and the output chunk cover the same 64 rows x 128 bytes, and every thread reads the
   // input exactly where it then writes its output) where buffers of its own would cost a ring stage: the
-  // cooperative tile keeps its fourth stage (with two input buffers per consumer it had three; a program
-  // that only adds a tile input cost +30-35% over the bare GEMM there, bench_gemm --overlap), ping-pong
+  // cooperative tile keeps its fourth stage (with two input buffers per consumer it would have three, and a
+  // program that only adds a tile input would run far behind the bare GEMM), ping-pong
   // 128x128 its sixth. Where no stage is lost (ping-pong 64x256) the separate buffers stay: in staging a
   // chunk's input can only be loaded once the previous chunk's store has read the buffer, and the llama
-  // down dgrad (short chunks of a 1 -> 2 map) lost 10% waiting for it. Otherwise the inputs have chunk
+  // down dgrad (short chunks of a 1 -> 2 map) waits for it. Otherwise the inputs have chunk
   // buffers of their own: two per consumer, one where two would leave fewer than three stages.
   static constexpr bool kInputInStaging =
       kTileInputs == 1 && std::is_same_v<OutT, __nv_bfloat16> && stages_with(0) > stages_with(2);
@@ -231,11 +225,6 @@ __device__ __forceinline__ void stage_values(uint8_t* buf, int row, int out_col,
   }
 }
 
-// The tensor maps of a program's tile inputs (unused entries are left zero).
-struct TileMaps {
-  CUtensorMap map[epi::kMaxTileInputs];
-};
-
 template <class Cfg, class Program>
 __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d, const TileMaps& tile_maps,
                                         const Params& p, const Program& program, uint8_t* ring, uint8_t* staging,
@@ -325,10 +314,9 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     // prefetches) runs where its loads' latency is hidden under MMAs: on the ping-pong tiles before the
     // consumer waits for its turn, under the other consumer's mainloop; on the cooperative tile right
     // after the first k-block's MMAs are issued. (Before the cooperative mainloop, the loads' latency
-    // stalled the consumers while the tensor cores waited: 10-13% of the LM head's and the proj dgrad's
-    // time, ncu; just before wgmma.wait_group 0, ptxas moved most of the loads below the wait. On the
-    // ping-pong tiles after the first MMAs, the wait for the loads held up the second k-block's MMAs by
-    // ~700 cycles of a 64x256 tile's ~7000, clock64 stamps in the kernel.) Costs a few registers across
+    // stalls the consumers while the tensor cores wait; just before wgmma.wait_group 0, ptxas moves most
+    // of the loads below the wait. On the ping-pong tiles after the first MMAs, the wait for the loads
+    // holds up the second k-block's MMAs.) Costs a few registers across
     // the mainloop.
     auto block_ctx = [&](int s) {
       const int m_block = block_row(s);
@@ -397,15 +385,13 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     // One 64-row block: its program copy, its rows, its accumulators (separate variables per block, not
     // arrays indexed by the block: with arrays the compiler kept some programs' per-row state in local
     // memory). Long programs (kRolledFrom primitives or more) run the chunk loop rolled: unrolled, their
-    // epilogues (12-20k instructions, 200-300 KB) did not fit the instruction cache and stalled on
-    // instruction fetch (35-40% of the proj dgrad's and LN-backward dgrad's samples, ncu "no
-    // instruction"). A rolled chunk visits the first kChunkAcc accumulators and then shifts the rest down
+    // epilogues (12-20k instructions, 200-300 KB) do not fit the instruction cache and stall on
+    // instruction fetch. A rolled chunk visits the first kChunkAcc accumulators and then shifts the rest down
     // (register moves; the accumulators are overwritten by the next tile's first MMA), so every index is
     // a compile-time constant and the accumulators stay in registers; it runs to the run-time chunk count
     // (with the constant one, the compiler unrolled the two-input programs' loop all the same). Short
     // programs keep the loop unrolled and index chunk c's accumulators directly: the moves are real there
-    // too (the shifted values flow into the next tile's MMAs), and made the identity program's epilogue
-    // take 5-14% longer.
+    // too (the shifted values flow into the next tile's MMAs), and slow the identity program's epilogue.
     int tile_chunk = 0;  // chunks of this tile visited so far
     auto store_block = [&](Program& prog, const epi::RowCtx& ctx, float(&a)[Cfg::kAcc]) {
       constexpr int kChunkAcc = 4 * kChunkGroups;  // accumulators per thread in one chunk
@@ -478,10 +464,14 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
           ++tile_chunk;
         }
       };
-      if (m_block + 64 <= p.M && n0 + Cfg::kBN <= interior_n)
-        visit_chunks(std::true_type{});
-      else
+      if constexpr (CODA_GEMM_INTERIOR_BODY) {
+        if (m_block + 64 <= p.M && n0 + Cfg::kBN <= interior_n)
+          visit_chunks(std::true_type{});
+        else
+          visit_chunks(std::false_type{});
+      } else {
         visit_chunks(std::false_type{});
+      }
       prog.end_rows(ctx, epi::QuadLanes{lane});
     };
     store_block(prog0, ctx0, acc[0]);

@@ -11,12 +11,11 @@
 //    a step wherever an unfused kernel follows another (after a cuBLASLt GEMM or an attention kernel,
 //    launched without PDL, only the launch itself overlaps). The difference leaves out what only the
 //    first launch of a run pays: its launch latency (nothing before it to overlap) and the write-back of
-//    the dirty lines the flush's memset left in L2 (50 MB: 0.7 us a launch over a run of 12 at the 50 MB
-//    bias gradient, session 16);
-//  * run of 12: the time of the 12 launches divided by 12 (the headline until session 16);
+//    the dirty lines the flush's memset left in L2;
+//  * run of 12: the time of the 12 launches divided by 12 (it charges every kernel the first launch's latency);
 //  * isolated: one launch between two events after a 512 MB memset that evicts the L2; this adds the
 //    launch latency (a few microseconds), which dominates the smallest kernels.
-// Target: back-to-back >= 80% of 4.2 TB/s (ANCHORS.md) for each kernel.
+// Target: back-to-back >= 80% of 4.2 TB/s (the copy bandwidth in docs/PERFORMANCE.md) for each kernel.
 //
 // Usage: bench_unfused_kernels [gpt2|llama|all] [FILTER]   (FILTER: only kernels whose name contains it)
 #include <cuda_bf16.h>
@@ -33,7 +32,7 @@
 #include "kernels/unfused/unfused.cuh"
 #include "model.hpp"
 #include "rng.hpp"
-#include "tests/bench_util.cuh"
+#include "tests/bench/bench_util.cuh"
 
 namespace {
 

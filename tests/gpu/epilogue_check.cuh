@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "kernels/coda/norm_stats.cuh"
-#include "kernels/gemm/gemm_launch.cuh"
+#include "kernels/gemm/gemm_instance.cuh"
 #include "src/rng.hpp"
 #include "tests/gemm_reference.cuh"
 #include "tests/gpu_test_util.cuh"

@@ -5,7 +5,7 @@
 //    tensor of one forward_backward, and gradient accumulation over a second micro-batch;
 //  * 50 AdamW steps on fixed random batches: the loss curves of both backends.
 // The coda mode's relative errors are printed next to the unfused mode's on the same inputs, and may be
-// at most twice as large (issue 6): the two modes round to bf16 at different points (coda keeps
+// at most twice as large: the two modes round to bf16 at different points (coda keeps
 // O = h (.) gamma and the scaled gradients r dz, unfused the normed activations and dz), so neither is
 // exact, but the fusion must not lose precision beyond that.
 // Errors are relative Frobenius norms ||gpu - ref|| / ||ref|| (NaN-proof: a NaN fails the EXPECT_LT).

@@ -20,7 +20,7 @@
 #include "model.hpp"
 #include "rng.hpp"
 #include "safetensors.hpp"
-#include "test_util.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using coda::Arch;
@@ -178,10 +178,6 @@ uint16_t to_bf16_bits(float x) {  // truncation: the value it stands for is exac
   uint32_t word;
   std::memcpy(&word, &x, 4);
   return static_cast<uint16_t>(word >> 16);
-}
-
-std::vector<float> read_model_tensor(const std::string& dir, const std::string& name) {
-  return SafetensorsFile(dir + "/model.safetensors").read(name);
 }
 
 }  // namespace

@@ -14,7 +14,7 @@
 #include "kernels/coda/fused.cuh"
 #include "kernels/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
-#include "tests/bench_util.cuh"
+#include "tests/bench/bench_util.cuh"
 
 namespace {
 

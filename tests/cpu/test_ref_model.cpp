@@ -3,6 +3,9 @@
 // the padded vocabulary, causality, determinism, the Backend contract, a hand-computed AdamW update
 // and a few optimizer steps that must lower the loss.
 #include <gtest/gtest.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include <cmath>
 #include <cstring>
@@ -18,6 +21,7 @@ namespace {
 
 using coda::Arch;
 using coda::ModelConfig;
+using coda::ParamLayout;
 using coda::ParamTensor;
 using coda::Rng;
 using coda::test::grad_matches;
@@ -179,6 +183,49 @@ TEST(RefModel, SameSeedIsBitIdentical) {
     EXPECT_NE(loss_a, loss_c);
     EXPECT_NEAR(loss_a, std::log(static_cast<float>(config.vocab_size)), 0.1);  // small init: near uniform
   }
+}
+
+// init_params draws every element from a counter-based stream: the same values on one thread as on
+// several, the standard deviations the recipe asks for, and different values for another seed.
+TEST(RefModel, InitIsThreadCountIndependentWithTheRecipesStatistics) {
+  ModelConfig config = gpt2_config();
+  config.n_layer = 4;
+  config.d_model = 256;
+  config.d_ff = 1024;
+  config.vocab_size = 1000;
+  const ParamLayout layout = coda::make_param_layout(config);
+  std::vector<float> parallel(layout.total), serial(layout.total), other(layout.total);
+  coda::init_params(config, layout, 3, parallel.data());
+#if defined(_OPENMP)
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+#endif
+  coda::init_params(config, layout, 3, serial.data());
+#if defined(_OPENMP)
+  omp_set_num_threads(threads);
+#endif
+  coda::init_params(config, layout, 4, other.data());
+  EXPECT_EQ(parallel, serial);
+  EXPECT_NE(parallel, other);
+  auto stddev_of = [&](const char* name) {
+    for (const ParamTensor& t : layout.tensors)
+      if (t.name == name) {
+        double sum = 0.0, sumsq = 0.0;
+        const size_t n = real_rows(t, config) * (t.shape.size() > 1 ? t.shape[1] : 1);
+        for (size_t i = 0; i < n; ++i) {
+          const double x = parallel[t.offset + i];
+          sum += x;
+          sumsq += x * x;
+        }
+        const double stddev = std::sqrt(sumsq / n);
+        EXPECT_NEAR(sum / n, 0.0, 5.0 * stddev / std::sqrt(double(n))) << name;  // the mean within 5 sigma
+        return stddev;
+      }
+    ADD_FAILURE() << "no tensor " << name;
+    return 0.0;
+  };
+  EXPECT_NEAR(stddev_of("wte"), 0.02, 0.02 * 0.02);
+  EXPECT_NEAR(stddev_of("h.0.attn_proj_w"), 0.02 / std::sqrt(8.0), 0.02 / std::sqrt(8.0) * 0.02);
 }
 
 // Backend contract: loss of forward_backward and forward_loss agree, gradients scale with grad_scale and

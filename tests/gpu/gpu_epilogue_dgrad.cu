@@ -1,5 +1,5 @@
 // Epilogue programs of the dgrad layout inside the GEMM against their host evaluation (harness:
-// tests/epilogue_check.cuh; the forward-layout primitives are in gpu_epilogue.cu): SwiGLU backward, the
+// tests/gpu/epilogue_check.cuh; the forward-layout primitives are in gpu_epilogue.cu): SwiGLU backward, the
 // 1 -> 2 map that doubles the output width (four values per fragment staged), with and without its act
 // store; and the pieces of the norm backwards: a loaded-tile map, column dots per 16-row group, row dots
 // against a tile and a column vector, row broadcasts and scaled subtractions with row-statistic operands.
@@ -10,7 +10,7 @@
 #include <cmath>
 #include <vector>
 
-#include "tests/epilogue_check.cuh"
+#include "tests/gpu/epilogue_check.cuh"
 
 namespace {
 
@@ -26,7 +26,7 @@ TEST(GpuEpilogue, SwiGluBackwardWritesInterleavedGradients) {
   const int M = p.M, N = p.N, kCount = 2;
   Mirrored<bf16> gu(size_t(M) * 2 * N, -3.0f, 3.0f, 11);
   Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 12);
-  for (GemmTile tile : kGemmTiles)
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Dgrad, GemmEpilogue::Program))
     for (Output mode : kOutputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<bf16> act(size_t(M) * N);
@@ -49,7 +49,7 @@ TEST(GpuEpilogue, SwiGluBackwardWithoutActStore) {
   const Problem<GemmLayout::Dgrad> p(936, 784, 328);
   const int M = p.M, N = p.N;
   Mirrored<bf16> gu(size_t(M) * 2 * N, -3.0f, 3.0f, 13);
-  for (GemmTile tile : kGemmTiles) {
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Dgrad, GemmEpilogue::Program)) {
     SCOPED_TRACE(describe(p, tile, Output::Bf16));
     Mirrored<bf16> act(size_t(M) * N);  // poisoned; must stay so
     auto make = [&](bool dev) { return make_program(SwiGluBackward<bf16>(gu.at(dev), 2 * N, nullptr, N)); };
@@ -71,7 +71,7 @@ TEST(GpuEpilogue, NormBackwardPiecesColumnAndRowDotsScaledSubtractions) {
   const int M = p.M, N = p.N, kCount = 3, groups = prog::column_partial_groups(M);
   Mirrored<bf16> pre(size_t(M) * N, -3.0f, 3.0f, 14), h(size_t(M) * N, -2.0f, 2.0f, 15);
   Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 16), c(N, -1.0f, 1.0f, 17), alpha(M, -1.0f, 1.0f, 18);
-  for (GemmTile tile : kGemmTiles)
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Dgrad, GemmEpilogue::TwoTileInputs))
     for (Output mode : kBf16Outputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       const int tiles_n = p.tiles_n(tile);

@@ -15,7 +15,7 @@
 
 #include "config.hpp"
 #include "rng.hpp"
-#include "test_util.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using coda::test::TempDir;
@@ -192,7 +192,9 @@ TEST(Config, HelpListsEveryKeyWithItsDefault) {
     if (value.size() >= 2 && value.front() == '"') value = value.substr(1, value.size() - 2);
     const std::string shown = "--" + line.substr(0, equals) + (value.empty() ? "" : " ");
     EXPECT_NE(help.output.find(shown), std::string::npos) << "help misses " << shown;
-    if (!value.empty()) EXPECT_NE(help.output.find("=" + value), std::string::npos) << "help misses default " << line;
+    if (!value.empty()) {
+      EXPECT_NE(help.output.find("=" + value), std::string::npos) << "help misses default " << line;
+    }
     ++keys;
   }
   EXPECT_GT(keys, 30);

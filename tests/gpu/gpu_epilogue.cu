@@ -2,13 +2,13 @@
 // M and N tails (M not a multiple of 64 or 128, the last N tile partly outside N), both tile
 // configurations, bf16 output stored and accumulate-stored, and fp32 output for the width-changing maps
 // (RoPE 2 -> 2, SwiGLU 2 -> 1); the auxiliary stores and the partial buffers are compared too. The dgrad-layout programs (SwiGluBackward, the norm-backward pieces)
-// are in gpu_epilogue_dgrad.cu. Harness: tests/epilogue_check.cuh.
+// are in gpu_epilogue_dgrad.cu. Harness: tests/gpu/epilogue_check.cuh.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <vector>
 
-#include "tests/epilogue_check.cuh"
+#include "tests/gpu/epilogue_check.cuh"
 
 namespace {
 
@@ -25,7 +25,7 @@ TEST(GpuEpilogue, RowScaleGammaResidualAuxAndRowSums) {
   Mirrored<float> sumsq_in(size_t(M) * kCount, 100.0f, 400.0f, 1);
   Mirrored<bf16> gamma(N, 0.5f, 1.5f, 2), residual(size_t(M) * N, -2.0f, 2.0f, 3);
   Mirrored<float> bias(N, -1.0f, 1.0f, 4);
-  for (GemmTile tile : kGemmTiles)
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program))
     for (Output mode : kBf16Outputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<bf16> aux(size_t(M) * N);
@@ -52,7 +52,7 @@ TEST(GpuEpilogue, RopeAfterRowScaleWithFp32AuxAndSumSquares) {
   const int M = p.M, N = p.N;
   const Rope<64> rope{600, 512, 13.287712f};  // theta = 10000
   Mirrored<float> r(M, 0.5f, 2.0f, 5);
-  for (GemmTile tile : kGemmTiles)
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program))
     for (Output mode : kOutputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<float> aux(size_t(M) * N), sumsq(size_t(M) * p.tiles_n(tile));
@@ -74,7 +74,7 @@ TEST(GpuEpilogue, TargetPickLogSumExpRowDotAndColumnSums) {
   const int M = p.M, N = p.N, kCount = 2, groups = prog::column_partial_groups(M);
   Mirrored<float> sumsq_in(size_t(M) * kCount, 200.0f, 600.0f, 6), c(N, -1.0f, 1.0f, 7);
   Mirrored<int32_t> target(M, 0.0f, static_cast<float>(N), 8);
-  for (GemmTile tile : kGemmTiles)
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program))
     for (Output mode : kBf16Outputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       const int tiles_n = p.tiles_n(tile);
@@ -116,7 +116,7 @@ TEST(GpuEpilogue, SwiGluHalvesTheWidthWithAuxSumSquaresAndColumnDot) {
   const int M = p.M, N = p.N, groups = prog::column_partial_groups(M);
   Mirrored<float> r(M, 0.5f, 2.0f, 9);
   Mirrored<bf16> t(size_t(M) * N / 2, -1.0f, 1.0f, 10);
-  for (GemmTile tile : kGemmTiles)
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program))
     for (Output mode : kOutputs) {
       SCOPED_TRACE(describe(p, tile, mode));
       Mirrored<bf16> gu(size_t(M) * N);

@@ -3,7 +3,7 @@
 // tokens), forward / dgrad / wgrad (fp32 accumulate). Then the cost of CODA epilogue programs over the
 // bare mainloop of the same shape (bench_epilogues).
 //
-// Method (tests/bench_util.cuh): random inputs; several input sets rotated so the timed runs cannot live in
+// Method (tests/bench/bench_util.cuh): random inputs; several input sets rotated so the timed runs cannot live in
 // L2 (>= 150 MB of operands in the rotation); 5 warm-up rounds; CUDA events around each of 25 runs; the
 // median; the contenders of a shape interleaved run by run. Each shape also compares our output with
 // cuBLAS's (relative error), so a fast wrong kernel cannot pass unnoticed.
@@ -20,8 +20,8 @@
 #include <cuda_fp16.h>
 
 #include "kernels/gemm/cublaslt.cuh"
-#include "kernels/gemm/gemm_launch.cuh"
-#include "tests/bench_util.cuh"
+#include "kernels/gemm/gemm_instance.cuh"
+#include "tests/bench/bench_util.cuh"
 #include "tests/gemm_reference.cuh"
 
 namespace {
@@ -229,8 +229,7 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
   CUDA_CHECK(cudaFree(out));
 }
 
-// The three-primitive programs of issue 4 (row scale + pairwise map + partial row reduction: target
-// <= 5% over the bare mainloop), each primitive of the short-K one alone (where the cost comes from),
+// The three-primitive programs (row scale + pairwise map + partial row reduction), each primitive of the short-K one alone (where the cost comes from),
 // and SwiGLU backward (1 -> 2, reads the saved gate/up pairs: 3x the bare GEMM's output traffic).
 void bench_epilogues() {
   using namespace coda::epi;
@@ -308,7 +307,7 @@ void bench_arithmetic(const char* label, const Shape& s) {
 // log-sum-exp; the LayerNorm reparameterization) at gpt2's fc shape (K = 768: 12 k-blocks, the
 // shortest mainloop of the programs), on every tile against its bare GEMM. On the ping-pong tiles fp32
 // instructions (FFMA, FMUL, FADD) slow the other consumer's MMAs by about their issue cycles, integer and
-// half2 ones do not (a clock64 timeline, PERFORMANCE.md session 10) but run at half rate, so their rows
+// half2 ones do not (a clock64 timeline of the kernel, docs/LOG.md) but run at half rate, so their rows
 // cost about as much in time; tanh hides.
 void bench_overlap() {
   using namespace coda::epi;

@@ -20,7 +20,7 @@
 #include "dist_plan.hpp"
 #include "kernels/cuda_check.cuh"
 #include "rng.hpp"
-#include "test_util.hpp"
+#include "tests/test_util.hpp"
 #include "train.hpp"
 
 namespace fs = std::filesystem;
@@ -106,7 +106,9 @@ TEST_F(DataParallelResume, RescaledPositionContinuesTheEpochWithoutRereadingAWin
       const size_t first = to.batch * G;
       EXPECT_GE(first, consumed) << "no window is read twice";
       EXPECT_LT(first - consumed, G) << "fewer than one new global batch is skipped";
-      if (consumed % G == 0) EXPECT_EQ(first, consumed);
+      if (consumed % G == 0) {
+        EXPECT_EQ(first, consumed);
+      }
       EXPECT_EQ(after, std::vector<size_t>(order.begin() + static_cast<long>(first),
                                            order.begin() + static_cast<long>(first + G)));
     } else {

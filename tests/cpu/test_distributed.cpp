@@ -357,7 +357,9 @@ TEST(Buckets, CoverTheLayoutInBackwardOrder) {
     for (size_t i = 0; i < buckets.size(); ++i) {
       EXPECT_LT(buckets[i].begin, buckets[i].end) << buckets[i].name;
       EXPECT_EQ(buckets[i].begin % kParamAlign, 0u) << buckets[i].name;
-      if (i > 0) EXPECT_EQ(buckets[i].end, buckets[i - 1].begin) << buckets[i].name;
+      if (i > 0) {
+        EXPECT_EQ(buckets[i].end, buckets[i - 1].begin) << buckets[i].name;
+      }
       if (i >= 1 && i + 1 < buckets.size()) {
         const int layer = config.n_layer - static_cast<int>(i);
         EXPECT_EQ(buckets[i].layer, layer);
@@ -394,7 +396,9 @@ void check_partition(const ParamLayout& layout, int world_size, bool check_every
     EXPECT_EQ(shard.begin, expected_begin) << "rank " << r;
     EXPECT_EQ(shard.begin % kParamAlign, 0u) << "rank " << r;
     EXPECT_LE(shard.end - shard.begin, partition.shard_size);
-    if (shard.end < layout.total) EXPECT_EQ(shard.end - shard.begin, partition.shard_size) << "rank " << r;
+    if (shard.end < layout.total) {
+      EXPECT_EQ(shard.end - shard.begin, partition.shard_size) << "rank " << r;
+    }
     expected_begin = shard.end;
     size_t previous_end = shard.begin;
     for (const ShardPiece& piece : shard.pieces) {

@@ -18,7 +18,7 @@
 #include "data.hpp"
 #include "prepare.hpp"
 #include "rng.hpp"
-#include "test_util.hpp"
+#include "tests/test_util.hpp"
 
 namespace fs = std::filesystem;
 using coda::DataLoader;

@@ -17,7 +17,7 @@
 
 #include "checkpoint.hpp"
 #include "prepare.hpp"
-#include "test_util.hpp"
+#include "tests/test_util.hpp"
 #include "train.hpp"
 
 namespace fs = std::filesystem;
@@ -39,7 +39,9 @@ TEST(LrSchedule, WarmupRisesLinearlyToThePeak) {
   const coda::RunConfig c = schedule(1000, 40, 6e-4f, 0.1f);
   for (int step = 0; step < c.warmup_steps; ++step) {
     EXPECT_FLOAT_EQ(coda::lr_at(c, step), c.lr * static_cast<float>(step + 1) / c.warmup_steps);
-    if (step > 0) EXPECT_GT(coda::lr_at(c, step), coda::lr_at(c, step - 1));
+    if (step > 0) {
+      EXPECT_GT(coda::lr_at(c, step), coda::lr_at(c, step - 1));
+    }
   }
   EXPECT_FLOAT_EQ(coda::lr_at(c, c.warmup_steps - 1), c.lr);
 }

@@ -276,8 +276,9 @@ TEST(RefOps, AttentionForwardProperties) {
         }
         EXPECT_NEAR(p_sum, 1.0, 1e-5);
         for (int d = 0; d < s.hd; ++d) EXPECT_NEAR(out[(b * s.T + t) * C + h * s.hd + d], o[d], 1e-5);
-        if (t == 0)
+        if (t == 0) {
           for (int d = 0; d < s.hd; ++d) EXPECT_EQ(out[b * s.T * C + h * s.hd + d], qkv[b * s.T * W + v_col + d]);
+        }
       }
   // Causality: changing the last token's q, k, v leaves every earlier output unchanged.
   auto changed = qkv;

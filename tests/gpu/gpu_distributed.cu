@@ -35,7 +35,7 @@
 #include "model.hpp"
 #include "prepare.hpp"
 #include "rng.hpp"
-#include "test_util.hpp"
+#include "tests/test_util.hpp"
 #include "train.hpp"
 
 namespace coda {
@@ -432,8 +432,8 @@ TEST(Zero1, OptimizerStepMatchesReference) {
 // steps, up to the summation order of the reductions (and of attention's dQ reduce-adds). With more than
 // two ranks the all-reduce and the reduce-scatter add in different orders, and some gradients are
 // rounding noise (GPT-2's key bias: exactly zero in exact arithmetic, softmax being shift-invariant);
-// AdamW with a small epsilon turns such noise into full steps of random sign (docs/DISTRIBUTED.md, "On
-// four H200s"). So this test's epsilon (1e-4, above the gradients of these tiny models) keeps the update
+// AdamW with a small epsilon turns such noise into full steps of random sign (docs/DISTRIBUTED.md,
+// "Checks on several GPUs"). So this test's epsilon (1e-4, above the gradients of these tiny models) keeps the update
 // close to linear in the gradient, and noise stays noise; Zero1.OptimizerStepMatchesReference checks the
 // sharded AdamW itself at the usual epsilon.
 TEST(Zero1, TrainsLikeTheReplicatedOptimizer) {
@@ -539,7 +539,7 @@ std::map<int, float> logged_losses(const std::string& out) {
   return losses;
 }
 
-// coda train's loop with zero1 on one rank (the brief of the H200 check): the same losses as without it,
+// coda train's loop with zero1 on one rank: the same losses as without it,
 // checkpoints holding the full state, and resuming across the modes (a ZeRO-1 checkpoint continued
 // without ZeRO-1 and the other way round) ending where the uninterrupted runs end. Gradient clipping is
 // on, so the composed norm takes part.

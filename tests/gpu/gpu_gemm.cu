@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/gemm/gemm_launch.cuh"
+#include "kernels/gemm/gemm_instance.cuh"
 #include "src/ref_ops.hpp"
 #include "src/rng.hpp"
 #include "tests/gemm_reference.cuh"
@@ -69,7 +69,7 @@ void check_case(const Case& c, GemmTile tile) {
 
 void check_cases(const std::vector<Case>& cases) {
   for (const Case& c : cases)
-    for (GemmTile tile : kGemmTiles) check_case(c, tile);
+    for (GemmTile tile : gemm_tiles_compiled(c.layout, GemmEpilogue::Bare)) check_case(c, tile);
 }
 
 // gemm.cuh's three layouts in the CPU reference's terms (tokens T, in IC, out OC):
@@ -108,13 +108,12 @@ void check_against_cpu_reference(GemmLayout layout, int M, int N, int K, bool ac
 
 TEST(GpuGemm, SmallShapesAgainstCpuReference) {
   SKIP_WITHOUT_GPU();
-  for (GemmTile tile : kGemmTiles) {
-    for (GemmLayout layout : {GemmLayout::Forward, GemmLayout::Dgrad, GemmLayout::Wgrad}) {
+  for (GemmLayout layout : {GemmLayout::Forward, GemmLayout::Dgrad, GemmLayout::Wgrad})
+    for (GemmTile tile : gemm_tiles_compiled(layout, GemmEpilogue::Bare)) {
       check_against_cpu_reference(layout, 136, 264, 200, false, tile);
       check_against_cpu_reference(layout, 392, 520, 712, false, tile);
+      if (layout == GemmLayout::Wgrad) check_against_cpu_reference(layout, 264, 136, 1480, true, tile);
     }
-    check_against_cpu_reference(GemmLayout::Wgrad, 264, 136, 1480, true, tile);
-  }
 }
 
 TEST(GpuGemm, ForwardTailsAndManyTiles) {
@@ -168,7 +167,7 @@ TEST(GpuGemm, NormGeluProgramMatchesHostEvaluation) {
   const int M = prob.M, N = prob.N;
   const auto r = random_host(M, 0.5f, 2.0f, 1), bias = random_host(N, -1.0f, 1.0f, 2);
   DeviceBuffer<float> r_d(r), bias_d(bias);
-  for (GemmTile tile : kGemmTiles) {
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program)) {
     SCOPED_TRACE(gemm_tile_name(tile));
     const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);
     DeviceBuffer<__nv_bfloat16> out(size_t(M) * N), pre(size_t(M) * N);
@@ -202,7 +201,7 @@ void expect_rope_program_matches_host_evaluation() {
   DeviceBuffer<float> r_d(r);
   using namespace coda::epi;
   const Rope<kHeadDim> rope{2048, 512, 13.287712f};
-  for (GemmTile tile : kGemmTiles) {
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program)) {
     SCOPED_TRACE(std::string(gemm_tile_name(tile)) + ", head_dim " + std::to_string(kHeadDim));
     const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);
     DeviceBuffer<__nv_bfloat16> out(size_t(M) * N);
@@ -236,7 +235,7 @@ TEST(GpuGemm, LogitsLseAndSwiGluProgramMatchesHostEvaluation) {
   for (auto& t : target) t = static_cast<int32_t>(rng.below(N));
   DeviceBuffer<int32_t> target_d(M);
   CUDA_CHECK(cudaMemcpy(target_d.get(), target.data(), M * sizeof(int32_t), cudaMemcpyHostToDevice));
-  for (GemmTile tile : kGemmTiles) {
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program)) {
     SCOPED_TRACE(gemm_tile_name(tile));
     using namespace coda::epi;
     const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);

@@ -1,8 +1,8 @@
 // Attention throughput: causal bf16, 16k tokens per batch (B = 16384 / T), T = 1k, 2k, 4k, 8k.
 // TFLOP/s use FlashAttention's counting: forward 4 * T^2 * hd * heads * B / 2 (causal), backward 2.5x
 // the forward (the backward time includes its D = rowsum(dO * O) prologue and dQ conversion).
-// Shapes: hd 128 with 16 heads (heads * hd = 2048, as in ANCHORS.md), hd 64 with 32 heads (2048, the
-// anchors' hd64 row), hd 64 with 32 query / 8 kv heads (Llama-3.2-1B), hd 64 with 12 heads (GPT-2 124M,
+// Shapes: hd 128 with 16 heads (heads * hd = 2048, as the reference rows in docs/PERFORMANCE.md), hd 64 with 32
+// heads (2048, their hd64 row), hd 64 with 32 query / 8 kv heads (Llama-3.2-1B), hd 64 with 12 heads (GPT-2 124M,
 // 768). Times: CUDA events, median of 20 runs after 3 warm-up runs. Inputs: a pool of 2^20 N(0, 1) values
 // repeated over the buffers (drawing ~100M normals per shape on the host took most of the run time).
 // Usage: bench_attention
@@ -13,7 +13,7 @@
 
 #include "kernels/attention/attention.cuh"
 #include "kernels/cuda_check.cuh"
-#include "tests/bench_util.cuh"
+#include "tests/bench/bench_util.cuh"
 
 
 int main() {

@@ -1,0 +1,42 @@
+// The definition of GemmTileKernel::launch (gemm_launch.cuh): the GEMM kernel (gemm_kernel.cuh) of one
+// layout, output type, program and tile. Included only where kernels are compiled: the generated
+// translation units of the trainer's programs (CMakeLists.txt, CODA_GEMM_PROGRAMS; each one explicitly
+// instantiates GemmTileKernel for one program and tile) and the test files with programs of their own,
+// which instantiate it implicitly through gemm_run.
+#pragma once
+#include "kernels/cuda_check.cuh"
+#include "kernels/gemm/gemm_kernel.cuh"
+#include "kernels/gemm/gemm_launch.cuh"
+#include "kernels/launch.cuh"
+
+namespace coda {
+namespace gemm_detail {
+
+// The kernel configuration of a tile: its shape and schedule (gemm.cuh, GemmTile), the operands' majorness
+// of the layout, the output type, and the program's shared-memory needs.
+template <GemmLayout kLayout, class OutT, class Program, GemmTile kTile>
+struct TileConfig {
+  static constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
+  static constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
+  static constexpr int kBM = kTile == GemmTile::PingPong64x256 ? 64 : 128;
+  static constexpr int kBN = kTile == GemmTile::PingPong128x128 ? 128 : 256;
+  using type = Config<kBM, kBN, kTile != GemmTile::Cooperative128x256, kAKMajor, kBKMajor, OutT,
+                      Program::kTileInputs, Program::column_bytes()>;
+};
+
+}  // namespace gemm_detail
+
+template <GemmLayout kLayout, class OutT, class Program, GemmTile kTile>
+void GemmTileKernel<kLayout, OutT, Program, kTile>::launch(const gemm_detail::Launch& l, const Program& program,
+                                                           cudaStream_t stream) {
+  using Cfg = typename gemm_detail::TileConfig<kLayout, OutT, Program, kTile>::type;
+  auto* kernel = gemm_detail::gemm_kernel<Cfg, Program>;
+  static const bool configured = [kernel] {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+    return true;
+  }();
+  (void)configured;
+  launch_kernel(kernel, after_previous(l.grid, 384, Cfg::kSmemBytes), stream, l.a, l.b, l.d, l.tiles, l.p, program);
+}
+
+}  // namespace coda
