@@ -4,7 +4,6 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "rng.hpp"
 
 namespace coda {
 
@@ -86,11 +85,33 @@ ParamLayout make_param_layout(const ModelConfig& c) {
   return layout;
 }
 
+namespace {
+
+uint64_t mix64(uint64_t z) {  // splitmix64's finalizer: a bijection that scatters every input bit
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// N(0, 1) for element `index` of the stream `key`: Box-Muller over two uniforms hashed from the counter,
+// so every element is a function of (seed, tensor, index) alone and the tensors fill in parallel with
+// the same values on any number of threads.
+float counter_normal(uint64_t key, uint64_t index) {
+  const uint64_t a = mix64(key + 2 * index * 0x9E3779B97F4A7C15ull), b = mix64(a ^ (key + 0x632BE59BD9B4E019ull));
+  const double u1 = (static_cast<double>(a >> 11) + 0.5) * 0x1.0p-53;  // (0, 1): log(u1) is finite
+  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}
+
+}  // namespace
+
 void init_params(const ModelConfig& c, const ParamLayout& layout, uint64_t seed, float* params) {
-  Rng rng(seed);
   const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
-  for (size_t i = 0; i < layout.total; ++i) params[i] = 0.0f;
-  for (const auto& tensor : layout.tensors) {
+  const long long total = static_cast<long long>(layout.total);
+#pragma omp parallel for schedule(static)
+  for (long long i = 0; i < total; ++i) params[i] = 0.0f;
+  for (size_t t = 0; t < layout.tensors.size(); ++t) {
+    const auto& tensor = layout.tensors[t];
     float* p = params + tensor.offset;
     const std::string& name = tensor.name;
     auto ends_with = [&](const char* suffix) {
@@ -108,7 +129,10 @@ void init_params(const ModelConfig& c, const ParamLayout& layout, uint64_t seed,
                                   ? static_cast<size_t>(c.vocab_size)
                                   : static_cast<size_t>(tensor.shape[0]);
     const size_t cols = tensor.shape.size() > 1 ? static_cast<size_t>(tensor.shape[1]) : 1;
-    for (size_t i = 0; i < rows_drawn * cols; ++i) p[i] = static_cast<float>(rng.normal()) * stddev;
+    const uint64_t key = mix64(seed * 0x9E3779B97F4A7C15ull + mix64(t + 1));
+    const long long drawn = static_cast<long long>(rows_drawn * cols);
+#pragma omp parallel for schedule(static)
+    for (long long i = 0; i < drawn; ++i) p[i] = counter_normal(key, static_cast<uint64_t>(i)) * stddev;
   }
 }
 

@@ -88,6 +88,8 @@ ParamLayout make_param_layout(const ModelConfig& config);
 
 // Standard initialisation, reproducible from the seed: weights N(0, 0.02), the residual projections
 // (attn_proj_w, mlp_down_w) N(0, 0.02/sqrt(2 n_layer)), biases 0, norm gains 1, padded vocab rows 0.
+// Each element is drawn from a counter-based stream (seed, tensor, index), so the tensors fill in
+// parallel (OpenMP) with the same values on any number of threads: llama3.2-1b in about a second.
 void init_params(const ModelConfig& config, const ParamLayout& layout, uint64_t seed, float* params);
 
 // Model FLOPs per token of one training step (forward + backward), for MFU: 6 * (matmul params) +
