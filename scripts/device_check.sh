@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores, run the GPU
-# tests (also under mpirun -np 1 for the communicator and ZeRO-1), `coda bench` of both modes on
-# gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048), the per-kernel GPU-time profile of each mode
-# (CODA_PROFILE=1; the unfused profile's fusion bound: the most any fusion can speed the step up at these
-# GEMM and attention speeds), and a ZeRO-1 training run against the plain one; then print a summary table
-# (the last lines of the output).
+# The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
+# every GEMM tile on), run the GPU tests (also under mpirun -np 1 for the communicator and ZeRO-1),
+# `coda bench` of both modes on gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048) with time and
+# energy per step, the per-kernel GPU-time profile of each mode (CODA_PROFILE=1; the unfused profile's
+# fusion bound: the most any fusion can speed the step up at these GEMM and attention speeds), and a
+# ZeRO-1 training run against the plain one; then print a summary table (the last lines of the output).
 #
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
@@ -20,13 +20,14 @@ logs=${OUT:-$build}
 mkdir -p "$logs"
 status=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
-targets=(coda gpu_tests)
+targets=(coda gpu_tests bench_programs bench_gemm)
 [[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]] && targets+=(bench_unfused_kernels bench_fused)
 
 if [[ -z "${CODA_PREBUILT:-}" ]]; then
   echo "== build ($build, $(nproc) cores)"
   start=$(date +%s)
-  if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$logs/configure.log" &&
+  if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCODA_BENCHMARKS=ON -DCODA_ALL_TILES=ON \
+           >"$logs/configure.log" &&
          cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >"$logs/build.log"; }; then
     grep -E "error|FAILED" "$logs/build.log" | head -n 30
     echo "build failed"
@@ -49,7 +50,7 @@ fi
 
 bench() {  # name config B T
   echo "== coda bench $1 (B=$3, T=$4)"
-  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 10 \
+  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 20 \
     --json "$logs/bench_$1.json" >"$logs/bench_$1.log" 2>&1 || status=1
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
@@ -87,17 +88,21 @@ for name in gpt2-124m llama3.2-1b; do  # the unfused profile's share of epilogue
   bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
   printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"
 done
-printf '%-14s %-16s %10s %10s %7s %8s %8s %8s %8s\n' model backend "ms/step" "tokens/s" MFU "fwd ms" "bwd ms" "opt ms" anchor
-for run in gpt2-124m:62.1 llama3.2-1b:242; do
+printf '%-14s %-16s %9s %9s %7s %8s %8s %7s %7s %9s %8s\n' model backend "ms/step" "tokens/s" MFU "fwd ms" "bwd ms" \
+  "J/step" "SM MHz" "tokens/J" anchor
+for run in gpt2-124m:62.65 llama3.2-1b:242; do
   name=${run%%:*} anchor=${run##*:}
   python3 - "$logs/bench_$name.json" "$name" "$anchor" <<'PY' || echo "$name: no bench result"
 import json, sys
 path, name, anchor = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def fig(value, spec):
+    return format(value, spec) if value else "-"
 for r in json.load(open(path)):
     mfu = f"{100 * r['mfu']:.1f}%" if r.get('mfu') else "-"
-    print(f"{name:<14} {r['backend']:<16} {r['median_ms']:10.2f} {r['tokens_per_s']:10.0f} {mfu:>7} "
-          f"{r['forward_ms']:8.2f} {r['backward_ms']:8.2f} {r['optimizer_ms']:8.2f} {anchor:8.1f}")
+    print(f"{name:<14} {r['backend']:<16} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
+          f"{fig(r['forward_ms'], '8.2f'):>8} {fig(r['backward_ms'], '8.2f'):>8} {fig(r['joules_per_step'], '7.2f'):>7} "
+          f"{fig(r['mean_sm_clock_mhz'], '7.0f'):>7} {fig(r['tokens_per_joule'], '9.0f'):>9} {anchor:8.1f}")
 PY
 done
-echo "(anchor: PyTorch + torch.compile ms/step, ../shared/ANCHORS.md)"
+echo "(anchor: PyTorch + torch.compile ms/step on one H200, docs/PERFORMANCE.md)"
 exit $status

@@ -14,12 +14,17 @@
 // GPU and MFU one GPU. Scaling = tokens/s per GPU at N ranks over the figure of a one-GPU run.
 // time_gradient_all_reduce gives the communication's whole cost for comparison: an all-reduce of the
 // gradient's size with nothing to overlap.
+//
+// Energy (energy.hpp): on a GPU whose NVML energy counter can be read, the joules of the timed steps on
+// this rank's GPU, their mean power and SM clock, and tokens per joule. At the power cap a step's time
+// follows its energy, so these are what a change to the kernels is judged by.
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
 #include "dist_plan.hpp"
 #include "distributed.hpp"
+#include "energy.hpp"
 #include "kernels/cuda_check.cuh"
 #include "kernels/kernel_profile.cuh"
 #include "model.hpp"
@@ -94,8 +99,10 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
     std::unique_ptr<Backend> backend = make_backend(run, run.zero1 ? comm : nullptr);
     backend->load_params(params.data());
     std::vector<double> ms, forward_ms, backward_ms, optimizer_ms;
+    const std::unique_ptr<EnergyMeter> meter = device == "cuda" ? EnergyMeter::for_current_device() : nullptr;
     for (int step = 0; step < warmup + steps; ++step) {
       profile::set_recording(step >= warmup);
+      if (meter != nullptr && step == warmup) meter->start();  // the step before ended on the host's sync
       const auto start = std::chrono::steady_clock::now();
       backend->zero_grad();
       PhaseTimes phases;
@@ -119,6 +126,13 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
       }
     }
     BenchResult result;
+    if (meter != nullptr) {
+      const EnergyReading energy = meter->stop();
+      result.joules_per_step = energy.joules / steps;
+      result.mean_power_w = energy.mean_power_w;
+      result.mean_sm_clock_mhz = energy.mean_sm_clock_mhz;
+      if (energy.joules > 0.0) result.tokens_per_joule = static_cast<double>(tokens.size()) * steps / energy.joules;
+    }
     result.backend = backend->name();
     result.steps = steps;
     result.world_size = world_size;

@@ -29,7 +29,9 @@ int fail(const std::string& message, int code) {
   return code;
 }
 
-// One line per backend; "vs first" is the first backend's step time over this one's (the speedup).
+// One line per backend; "vs first" is the first backend's step time over this one's (the speedup), "J vs
+// first" this one's energy per step over the first one's. A figure the backend has no measurement of
+// (the CPU's phases, memory and energy) prints as "-" and is null in the JSON.
 // all_reduce_ms: time_gradient_all_reduce over the ranks (0: one rank).
 void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunConfig& config, double all_reduce_ms,
                  const std::string& json_path) {
@@ -37,20 +39,38 @@ void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunC
   if (world_size > 1)
     std::printf("%d ranks (data parallel%s), batch_size %d per rank\n", world_size, config.zero1 ? ", ZeRO-1" : "",
                 config.batch_size);
-  std::printf("%-16s %14s %12s %12s %8s %10s %10s %10s %8s %9s\n", "backend", "median ms/step", "tokens/s",
-              "tokens/s/GPU", "MFU", "fwd ms", "bwd ms", "optim ms", "mem GiB", "vs first");
+  std::printf("%-16s %14s %12s %12s %8s %9s %9s %9s %8s %8s %7s %7s %9s %9s %9s\n", "backend", "median ms/step",
+              "tokens/s", "tokens/s/GPU", "MFU", "fwd ms", "bwd ms", "optim ms", "mem GiB", "J/step", "W", "SM MHz",
+              "tokens/J", "vs first", "J vs first");
+  const auto figure = [](double value, int width, int precision) {
+    char text[32];
+    if (value > 0.0)
+      std::snprintf(text, sizeof(text), "%*.*f", width, precision, value);
+    else
+      std::snprintf(text, sizeof(text), "%*s", width, "-");
+    return std::string(text);
+  };
+  const auto measured = [](double value) { return value > 0.0 ? nlohmann::json(value) : nlohmann::json(); };
   nlohmann::json records = nlohmann::json::array();
+  const coda::BenchResult& first = results.front();
   for (const auto& r : results) {
-    const std::string mfu = r.mfu > 0.0 ? std::to_string(100.0 * r.mfu).substr(0, 5) + "%" : "-";
-    const double speedup = results.front().median_ms / r.median_ms;
-    std::printf("%-16s %14.2f %12.0f %12.0f %8s %10.2f %10.2f %10.2f %8.1f %8.2fx\n", r.backend.c_str(), r.median_ms,
-                r.tokens_per_s, r.tokens_per_s_per_gpu, mfu.c_str(), r.forward_ms, r.backward_ms, r.optimizer_ms,
-                r.memory_gib, speedup);
+    const double speedup = first.median_ms / r.median_ms;
+    const double energy_ratio = first.joules_per_step > 0.0 ? r.joules_per_step / first.joules_per_step : 0.0;
+    std::printf("%-16s %14.2f %12.0f %12.0f %8s %s %s %s %s %s %s %s %s %8.2fx %s\n", r.backend.c_str(), r.median_ms,
+                r.tokens_per_s, r.tokens_per_s_per_gpu, (figure(100.0 * r.mfu, 7, 2) + (r.mfu > 0.0 ? "%" : " ")).c_str(),
+                figure(r.forward_ms, 9, 2).c_str(), figure(r.backward_ms, 9, 2).c_str(),
+                figure(r.optimizer_ms, 9, 2).c_str(), figure(r.memory_gib, 8, 1).c_str(),
+                figure(r.joules_per_step, 8, 2).c_str(), figure(r.mean_power_w, 7, 0).c_str(),
+                figure(r.mean_sm_clock_mhz, 7, 0).c_str(), figure(r.tokens_per_joule, 9, 0).c_str(), speedup,
+                (figure(energy_ratio, 9, 3)).c_str());
     records.push_back({{"backend", r.backend}, {"steps", r.steps}, {"median_ms", r.median_ms},
                        {"tokens_per_s", r.tokens_per_s}, {"tokens_per_s_per_gpu", r.tokens_per_s_per_gpu},
-                       {"mfu", r.mfu > 0.0 ? nlohmann::json(r.mfu) : nlohmann::json()},
-                       {"forward_ms", r.forward_ms}, {"backward_ms", r.backward_ms}, {"optimizer_ms", r.optimizer_ms},
-                       {"memory_gib", r.memory_gib}, {"speedup_vs_first", speedup}, {"world_size", world_size},
+                       {"mfu", measured(r.mfu)}, {"forward_ms", measured(r.forward_ms)},
+                       {"backward_ms", measured(r.backward_ms)}, {"optimizer_ms", measured(r.optimizer_ms)},
+                       {"memory_gib", measured(r.memory_gib)}, {"joules_per_step", measured(r.joules_per_step)},
+                       {"mean_power_w", measured(r.mean_power_w)}, {"mean_sm_clock_mhz", measured(r.mean_sm_clock_mhz)},
+                       {"tokens_per_joule", measured(r.tokens_per_joule)}, {"speedup_vs_first", speedup},
+                       {"energy_vs_first", measured(energy_ratio)}, {"world_size", world_size},
                        {"zero1", config.zero1}, {"gradient_all_reduce_ms", all_reduce_ms},
                        {"batch_size", config.batch_size}, {"seq_len", config.seq_len}, {"grad_accum", config.grad_accum},
                        {"global_batch", config.global_batch},
