@@ -16,8 +16,11 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <optional>
 #include <stdexcept>
+#include <utility>
 
 #include "rng.hpp"
 
@@ -144,6 +147,87 @@ void read_tokens(const ReadFile& file, const ShardHeader& header, size_t first, 
   }
 }
 
+// The identity of a shard's contents that its scan cache is keyed by.
+struct FileStamp {
+  int64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileStamp& other) const { return size == other.size && mtime_ns == other.mtime_ns; }
+};
+
+FileStamp file_stamp(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0)
+    throw std::runtime_error(shard_error(path, std::string("cannot stat: ") + std::strerror(errno)));
+  return {static_cast<int64_t>(info.st_size),
+          static_cast<int64_t>(info.st_mtim.tv_sec) * 1000000000 + static_cast<int64_t>(info.st_mtim.tv_nsec)};
+}
+
+constexpr size_t kScanChunkTokens = size_t{1} << 20;
+
+// Visits the tokens of a shard in chunks: visit(first token index, pointer, count); stops when it
+// returns false.
+template <typename Token, typename Visit>
+void for_each_chunk(const ReadFile& file, const ShardHeader& header, Visit visit) {
+  std::vector<Token> chunk(std::min(kScanChunkTokens, header.tokens));
+  for (size_t first = 0; first < header.tokens; first += chunk.size()) {
+    const size_t count = std::min(chunk.size(), header.tokens - first);
+    file.read_at(kShardHeaderBytes + first * sizeof(Token), count * sizeof(Token), chunk.data());
+    if (!visit(first, chunk.data(), count)) return;
+  }
+}
+
+template <typename Token>
+int64_t scan_max_token(const ReadFile& file, const ShardHeader& header) {
+  int64_t largest = -1;
+  for_each_chunk<Token>(file, header, [&](size_t, const Token* tokens, size_t count) {
+    Token m = 0;
+    for (size_t i = 0; i < count; ++i) m = tokens[i] > m ? tokens[i] : m;
+    largest = std::max(largest, static_cast<int64_t>(m));
+    return true;
+  });
+  return largest;
+}
+
+// (position, id) of the first token id >= vocab_size.
+template <typename Token>
+std::pair<size_t, uint32_t> first_bad_token(const ReadFile& file, const ShardHeader& header, int vocab_size) {
+  std::pair<size_t, uint32_t> bad{header.tokens, 0};
+  for_each_chunk<Token>(file, header, [&](size_t first, const Token* tokens, size_t count) {
+    for (size_t i = 0; i < count; ++i)
+      if (tokens[i] >= static_cast<uint32_t>(vocab_size)) {
+        bad = {first + i, tokens[i]};
+        return false;
+      }
+    return true;
+  });
+  return bad;
+}
+
+// The cached largest id when the cache matches stamp.
+std::optional<int64_t> read_scan_cache(const std::string& cache, const FileStamp& stamp) {
+  std::ifstream in(cache);
+  if (!in) return std::nullopt;
+  const nlohmann::json json = nlohmann::json::parse(in, nullptr, false);
+  if (!json.is_object() || !json.contains("size") || !json.contains("mtime_ns") || !json.contains("max_token") ||
+      !json.at("max_token").is_number_integer())
+    return std::nullopt;
+  if (!(FileStamp{json.value("size", int64_t{-1}), json.value("mtime_ns", int64_t{-1})} == stamp)) return std::nullopt;
+  return json.at("max_token").get<int64_t>();
+}
+
+void write_scan_cache(const std::string& cache, const FileStamp& stamp, int64_t max_token) {
+  const std::string tmp = cache + "." + std::to_string(::getpid()) + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << nlohmann::json{{"size", stamp.size}, {"mtime_ns", stamp.mtime_ns}, {"max_token", max_token}}.dump() << "\n";
+    if (!out.flush()) {
+      std::remove(tmp.c_str());
+      return;
+    }
+  }
+  if (std::rename(tmp.c_str(), cache.c_str()) != 0) std::remove(tmp.c_str());
+}
+
 // splitmix64 finaliser folded over the words: a seed for Rng that differs for every (seed, epoch, shard).
 uint64_t mix_seed(std::initializer_list<uint64_t> words) {
   uint64_t h = 0x243F6A8885A308D3ull;
@@ -240,6 +324,46 @@ std::vector<std::string> match_shards(const std::string& pattern) {
 // hash(seed, e, s); without it both are the identity. Because every order is a pure function of
 // (seed, epoch, shard), the position is just (epoch, batch): restore() rebuilds everything else, and
 // every rank computes the same orders without communicating.
+
+// Vocabulary check. A bad id deep inside a shard would otherwise surface only when its window is read,
+// possibly hours into a run, so the loader checks every shard whole at construction: one sequential
+// pass computes the largest id (a branch-free max over chunks, which the compiler vectorizes), and only
+// when it is >= vocab_size a second pass finds the first bad id for the message. The largest id does not
+// depend on vocab_size, so it is cached beside the shard in a hidden ".NAME.max_token" file (JSON: the
+// shard's size and mtime in nanoseconds, and the id); a cache that does not match the file's current size
+// and mtime is ignored and rewritten. The cache is written through a temporary file of this process and a
+// rename, so concurrent ranks scanning the same shard never read a partial one; a directory that cannot
+// be written just goes without a cache.
+std::string shard_scan_cache_path(const std::string& path) {
+  const std::filesystem::path shard(path);
+  return (shard.parent_path() / ("." + shard.filename().string() + ".max_token")).string();
+}
+
+int64_t shard_max_token(const std::string& path) {
+  const FileStamp stamp = file_stamp(path);
+  const std::string cache = shard_scan_cache_path(path);
+  if (const std::optional<int64_t> cached = read_scan_cache(cache, stamp)) return *cached;
+  const ReadFile file(path);
+  const ShardHeader header = read_header(file);
+  const int64_t largest =
+      header.token_bytes == 2 ? scan_max_token<uint16_t>(file, header) : scan_max_token<uint32_t>(file, header);
+  write_scan_cache(cache, stamp, largest);
+  return largest;
+}
+
+void check_shard_vocab(const std::string& path, int vocab_size) {
+  const int64_t largest = shard_max_token(path);
+  if (largest < vocab_size) return;
+  const ReadFile file(path);
+  const ShardHeader header = read_header(file);
+  const auto [position, id] = header.token_bytes == 2 ? first_bad_token<uint16_t>(file, header, vocab_size)
+                                                      : first_bad_token<uint32_t>(file, header, vocab_size);
+  throw std::runtime_error(shard_error(path, "token id " + std::to_string(id) + " at position " +
+                                                 std::to_string(position) + " is >= vocab_size " +
+                                                 std::to_string(vocab_size) + " (the largest id in the shard is " +
+                                                 std::to_string(largest) + "; was it tokenized for another model?)"));
+}
+
 struct DataLoader::Impl {
   struct Shard {
     std::string path;
@@ -329,6 +453,7 @@ DataLoader::DataLoader(const std::string& pattern, int B, int T, int rank, int w
     Impl::Shard shard;
     shard.path = path;
     shard.header = read_header(ReadFile(path));
+    if (vocab_size > 0) check_shard_vocab(path, vocab_size);
     shard.windows = shard.header.tokens > 0 ? (shard.header.tokens - 1) / static_cast<size_t>(T) : 0;
     if (shard.windows > std::numeric_limits<uint32_t>::max()) {
       throw std::runtime_error(shard_error(path, "too many windows for the loader"));

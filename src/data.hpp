@@ -33,10 +33,21 @@ std::vector<uint32_t> read_shard(const std::string& path, int vocab_size = 0);
 // Sorted list of files matching a glob pattern; throws if none match.
 std::vector<std::string> match_shards(const std::string& pattern);
 
+// The largest token id of a shard (-1 when it holds no tokens), found by one pass over the tokens, or
+// from the shard's scan cache when that was written for a file of the same size and mtime. The pass
+// writes the cache (when the directory is writable), so a large dataset is scanned once.
+int64_t shard_max_token(const std::string& path);
+// Where the scan cache of a shard lives: ".NAME.max_token" beside it (hidden from shard globs).
+std::string shard_scan_cache_path(const std::string& path);
+// Throws std::runtime_error naming the shard, the first id >= vocab_size, its position and vocab_size
+// when the shard holds one.
+void check_shard_vocab(const std::string& path, int vocab_size);
+
 class DataLoader {
  public:
   // Throws std::runtime_error (naming the files) when the shards hold fewer windows than one global
-  // batch, or on any shard error above.
+  // batch, or on any shard error above. With vocab_size > 0 every shard is checked whole
+  // (check_shard_vocab) here, so a bad id stops the run before its first step, not when it is read.
   DataLoader(const std::string& pattern, int B, int T, int rank, int world_size, bool shuffle, uint64_t seed,
              int vocab_size);
   // Fills B*T inputs and B*T targets for this rank and advances; wraps to a new epoch at the end.

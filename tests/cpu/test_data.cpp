@@ -146,11 +146,53 @@ TEST_F(DataTest, ReadErrorsNameTheFile) {
   expect_error_naming([&] { coda::read_shard(headerless); }, headerless, "truncated");
   expect_error_naming([&] { coda::read_shard(vocab, 256); }, vocab, ">= vocab_size 256");
   expect_error_naming([&] { coda::read_shard(path("missing.bin")); }, path("missing.bin"), "cannot open");
-  // The loader validates headers when it starts and token ids as it reads.
+  // The loader validates headers and every token id when it starts.
   expect_error_naming([&] { DataLoader(truncated, 2, 8, 0, 1, true, 1, 50257); }, truncated, "truncated");
-  DataLoader loader(vocab, 4, 32, 0, 1, false, 1, 256);
-  std::vector<int32_t> inputs(4 * 32), targets(4 * 32);
-  expect_error_naming([&] { loader.next_batch(inputs.data(), targets.data()); }, vocab, ">= vocab_size 256");
+  expect_error_naming([&] { DataLoader(vocab, 4, 32, 0, 1, false, 1, 256); }, vocab, ">= vocab_size 256");
+}
+
+// One bad id near the end of the last shard: the first batches never read it, the loader still refuses
+// the data when it starts, naming the shard, the id, its position and vocab_size.
+TEST_F(DataTest, LoaderFindsABadIdAnywhereBeforeTheFirstBatch) {
+  coda::write_shard(path("v_000.bin"), random_tokens(5000, 256, 1), 65536);
+  std::vector<uint32_t> tokens = random_tokens(5000, 256, 2);
+  tokens[4321] = 300;
+  coda::write_shard(path("v_001.bin"), tokens, 65536);
+  try {
+    DataLoader loader(path("v_*.bin"), 2, 8, 0, 1, false, 1, 256);
+    ADD_FAILURE() << "the loader accepted a shard holding token id 300 for vocab_size 256";
+  } catch (const std::runtime_error& e) {
+    const std::string message = e.what();
+    for (const std::string& part : {path("v_001.bin"), std::string("token id 300"), std::string("position 4321"),
+                                    std::string("vocab_size 256")})
+      EXPECT_NE(message.find(part), std::string::npos) << "message should name " << part << ": " << message;
+  }
+  EXPECT_NO_THROW(DataLoader(path("v_*.bin"), 2, 8, 0, 1, false, 1, 301));
+}
+
+// The largest id is cached beside the shard for the file's size and mtime: a matching cache is believed
+// (here one that lies, to show it is read), a changed shard is scanned again, and shard globs never
+// match the cache files.
+TEST_F(DataTest, ScanCacheIsReusedUntilTheShardChanges) {
+  const std::string shard = path("c_000.bin");
+  std::vector<uint32_t> tokens = random_tokens(3000, 200, 3);
+  tokens[17] = 250;
+  coda::write_shard(shard, tokens, 256);
+  EXPECT_EQ(coda::shard_max_token(shard), 250);
+  const std::string cache = coda::shard_scan_cache_path(shard);
+  ASSERT_TRUE(fs::exists(cache));
+  nlohmann::json saved;
+  std::ifstream(cache) >> saved;
+  saved["max_token"] = 7;
+  std::ofstream(cache, std::ios::trunc) << saved.dump();
+  EXPECT_EQ(coda::shard_max_token(shard), 7) << "a cache that matches the file is used";
+
+  tokens.push_back(255);
+  coda::write_shard(shard, tokens, 256);
+  EXPECT_EQ(coda::shard_max_token(shard), 255) << "a changed shard is scanned again";
+  EXPECT_EQ(coda::match_shards(path("*")), std::vector<std::string>{shard});
+  coda::write_shard(path("empty.bin"), {}, 256);
+  EXPECT_EQ(coda::shard_max_token(path("empty.bin")), -1);
 }
 
 TEST_F(DataTest, MatchShardsSortsAndFailsOnNoMatch) {
