@@ -251,10 +251,11 @@ nlohmann::json read_json(const std::string& path) {
 }
 
 void write_json(const std::string& path, const nlohmann::json& json) {
+  errno = 0;
   std::ofstream out(path, std::ios::trunc);
   out << json.dump(2) << "\n";
   out.flush();
-  if (!out) throw std::runtime_error(path + ": write failed");
+  if (!out) throw std::runtime_error(path + ": write failed: " + (errno != 0 ? std::strerror(errno) : "I/O error"));
 }
 
 ModelConfig parse_config(const std::string& path) {
@@ -444,21 +445,27 @@ void save_checkpoint(const std::string& dir, const ModelConfig& model, const flo
     throw std::runtime_error(tmp.string() + ": cannot create: " + e.what());
   }
 
-  write_json((tmp / "config.json").string(), config_json(model));
-  std::vector<SafetensorsOutput> weights;
-  for (const HfTensor& tensor : hf_tensors(model, layout, "transformer."))
-    weights.push_back({tensor.name, tensor.shape, [tensor, params](float* out) { tensor.gather(params, out); }});
-  write_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
+  try {
+    write_json((tmp / "config.json").string(), config_json(model));
+    std::vector<SafetensorsOutput> weights;
+    for (const HfTensor& tensor : hf_tensors(model, layout, "transformer."))
+      weights.push_back({tensor.name, tensor.shape, [tensor, params](float* out) { tensor.gather(params, out); }});
+    write_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
 
-  const std::vector<int64_t> flat = {static_cast<int64_t>(layout.total)};
-  auto copy_of = [&layout](const float* source) {
-    return [&layout, source](float* out) { std::memcpy(out, source, layout.total * sizeof(float)); };
-  };
-  write_safetensors((tmp / "optimizer.safetensors").string(),
-                    {{"master", flat, copy_of(params)}, {"adam_m", flat, copy_of(adam_m)},
-                     {"adam_v", flat, copy_of(adam_v)}},
-                    {{"format", "coda-optimizer"}, {"total", std::to_string(layout.total)}});
-  write_json((tmp / "trainer_state.json").string(), state_json(state));
+    const std::vector<int64_t> flat = {static_cast<int64_t>(layout.total)};
+    auto copy_of = [&layout](const float* source) {
+      return [&layout, source](float* out) { std::memcpy(out, source, layout.total * sizeof(float)); };
+    };
+    write_safetensors((tmp / "optimizer.safetensors").string(),
+                      {{"master", flat, copy_of(params)}, {"adam_m", flat, copy_of(adam_m)},
+                       {"adam_v", flat, copy_of(adam_v)}},
+                      {{"format", "coda-optimizer"}, {"total", std::to_string(layout.total)}});
+    write_json((tmp / "trainer_state.json").string(), state_json(state));
+  } catch (const std::exception&) {
+    std::error_code ignored;  // a full disk gets its space back; the error says what failed
+    fs::remove_all(tmp, ignored);
+    throw;
+  }
 
   try {
     if (fs::exists(final_dir)) {

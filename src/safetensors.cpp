@@ -2,6 +2,7 @@
 #include "safetensors.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -69,20 +70,27 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsOut
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
 
+  // Checked after every call, while errno still holds the reason (No space left on device, ...).
+  errno = 0;
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw std::runtime_error(path + ": cannot open for writing");
+  const auto check = [&](const char* what) {
+    if (!out) throw std::runtime_error(path + ": " + what + ": " + (errno != 0 ? std::strerror(errno) : "I/O error"));
+  };
+  check("cannot open for writing");
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8 * i));
   out.write(reinterpret_cast<const char*>(length), 8);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  check("write failed");
   std::vector<float> buffer;
   for (const auto& tensor : tensors) {
     buffer.assign(byte_size(tensor.shape, 1, path), 0.0f);
     tensor.fill(buffer.data());
     out.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(buffer.size() * sizeof(float)));
+    check("write failed");
   }
   out.flush();
-  if (!out) throw std::runtime_error(path + ": write failed");
+  check("write failed");
 }
 
 size_t SafetensorsFile::Entry::numel() const {

@@ -209,6 +209,16 @@ TEST(Safetensors, F32RoundTrip) {
   expect_error([&] { file.read("gamma"); }, {path, "gamma"});
 }
 
+// A full disk is named as such (ENOSPC from /dev/full), not as a bare "write failed".
+TEST(Safetensors, WriteErrorsCarryTheSystemsReason) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full on this system";
+  const std::vector<float> a = random_vector(1 << 16, 3, false);
+  expect_error([&] { coda::write_safetensors("/dev/full", {{"a", {1 << 16}, [&](float* out) {
+                                                              std::memcpy(out, a.data(), a.size() * 4);
+                                                            }}}); },
+               {"/dev/full", "No space left on device"});
+}
+
 TEST(Safetensors, ReadsHandBuiltBf16AndF16) {
   TempDir tmp("coda_ckpt");
   const std::string path = tmp / "h.safetensors";
