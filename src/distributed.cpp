@@ -62,7 +62,14 @@ double seconds_since(Clock::time_point start) {
 }
 
 ncclDataType_t nccl_type(DType type) { return type == DType::F32 ? ncclFloat32 : ncclBfloat16; }
-ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Sum ? ncclSum : ncclAvg; }
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return ncclSum;
+    case ReduceOp::Max: return ncclMax;
+    case ReduceOp::Average: break;
+  }
+  return ncclAvg;
+}
 
 void write_id_file(const std::string& path, const ncclUniqueId& id, int world_size) {
   const std::string temp = path + ".tmp." + std::to_string(::getpid());

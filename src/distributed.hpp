@@ -72,7 +72,7 @@ void finalize_distributed(DistContext& context);
 // several ranks it calls MPI_Abort so the launcher stops the others too.
 [[noreturn]] void abort_job(const std::string& message);
 
-enum class ReduceOp { Sum, Average };
+enum class ReduceOp { Sum, Average, Max };
 enum class DType { F32, BF16 };
 
 // One NCCL communicator over all ranks, with its own CUDA stream. Construction is collective (every rank
