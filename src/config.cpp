@@ -13,6 +13,8 @@
 #include "config.hpp"
 
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <sstream>
 #include <stdexcept>
@@ -25,6 +27,13 @@ namespace coda {
 namespace {
 
 const char* const kSections[] = {"model", "data", "optim", "run"};
+const char* const kRunControlKeys[] = {"resume"};  // not written by config_to_toml
+
+bool is_run_control(const std::string& key) {
+  for (const char* name : kRunControlKeys)
+    if (key == name) return true;
+  return false;
+}
 
 bool is_section(const std::string& name) {
   for (const char* section : kSections)
@@ -46,6 +55,22 @@ void require(bool ok, const std::string& message) {
 std::string quoted(const std::string& value) {
   const char quote = value.find('"') == std::string::npos ? '"' : '\'';
   return quote + value + quote;
+}
+
+// Value checks CLI11's conversions leave out (it reads "3" as true, "inf" as a float and wraps "-1" into
+// a uint64); each returns the error text, empty when the value is fine.
+std::string boolean_text(const std::string& value) {
+  return value.empty() || value == "true" || value == "false" || value == "1" || value == "0"
+             ? ""
+             : "must be true or false, got " + value;
+}
+std::string finite_text(const std::string& value) {
+  char* end = nullptr;
+  const double parsed = std::strtod(value.c_str(), &end);
+  return end != value.c_str() && !std::isfinite(parsed) ? "must be a finite number, got " + value : "";
+}
+std::string unsigned_text(const std::string& value) {
+  return value.find('-') != std::string::npos ? "must be >= 0, got " + value : "";
 }
 
 // The key set alone: what config files are checked and parsed against in phase 1.
@@ -102,7 +127,8 @@ RunConfig parse_tokens(const std::vector<std::string>& tokens, const std::string
 }  // namespace
 
 void RunConfig::validate() const {
-  model.validate();
+  const bool own_model = init_from.empty();  // otherwise the model comes from init_from (train.hpp)
+  if (own_model) model.validate();
   const auto in = [](const std::string& value, std::initializer_list<const char*> allowed) {
     for (const char* name : allowed)
       if (value == name) return true;
@@ -111,7 +137,7 @@ void RunConfig::validate() const {
   require(!train_data.empty(), "train_data must not be empty");
   require(batch_size >= 1, "batch_size must be >= 1");
   require(seq_len >= 1, "seq_len must be >= 1");
-  require(seq_len <= model.max_seq_len, "seq_len (" + std::to_string(seq_len) + ") must be <= max_seq_len (" +
+  require(!own_model || seq_len <= model.max_seq_len, "seq_len (" + std::to_string(seq_len) + ") must be <= max_seq_len (" +
                                             std::to_string(model.max_seq_len) + ")");
   require(grad_accum >= 1, "grad_accum must be >= 1");
   require(global_batch >= 0, "global_batch must be >= 0 (0: ranks x batch_size x grad_accum)");
@@ -134,6 +160,8 @@ void RunConfig::validate() const {
   require(val_every >= 0, "val_every must be >= 0 (0: never)");
   require(val_batches >= 1, "val_batches must be >= 1");
   require(checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: only at the end)");
+  require(keep_checkpoints >= 0, "keep_checkpoints must be >= 0 (0: keep all)");
+  require(sample_every >= 0, "sample_every must be >= 0 (0: never)");
 }
 
 void add_config_options(CLI::App& app, RunConfig& c) {
@@ -147,9 +175,11 @@ void add_config_options(CLI::App& app, RunConfig& c) {
                               ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     using Type = std::remove_reference_t<decltype(variable)>;
     if constexpr (std::is_same_v<Type, bool>)
-      option->default_str(variable ? "true" : "false")->expected(0)->expected(0, 1);
+      option->default_str(variable ? "true" : "false")->expected(0)->expected(0, 1)->check(boolean_text);
     else if constexpr (std::is_floating_point_v<Type>)
-      option->default_str(float_text(variable));
+      option->default_str(float_text(variable))->check(finite_text);
+    else if constexpr (std::is_unsigned_v<Type>)
+      option->capture_default_str()->check(unsigned_text);
     else
       option->capture_default_str();
   };
@@ -179,7 +209,8 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("model", "tied_head", m.tied_head, "LM head shares the token embedding (gpt2: always)");
 
   key("data", "train_data", c.train_data, "glob of training token shards");
-  key("data", "val_data", c.val_data, "glob of validation shards (empty: no validation)");
+  key("data", "val_data", c.val_data,
+      "glob of validation shards (auto: train_data's with val for train; empty: no validation)");
   key("data", "batch_size", c.batch_size, "sequences per micro-batch");
   key("data", "seq_len", c.seq_len, "tokens per sequence");
   key("data", "grad_accum", c.grad_accum, "micro-batches per optimizer step");
@@ -204,7 +235,11 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "val_every", c.val_every, "validation every N steps and at the end (0: never)");
   key("run", "val_batches", c.val_batches, "batches per validation");
   key("run", "checkpoint_every", c.checkpoint_every, "checkpoint every N steps (0: only at the end)");
+  key("run", "keep_checkpoints", c.keep_checkpoints, "newest step_N checkpoints kept (0: all)");
+  key("run", "sample_every", c.sample_every, "print a sample from the model every N steps (0: never)");
   key("run", "resume", c.resume, "checkpoint directory (or run directory) to continue from");
+  key("run", "init_from", c.init_from,
+      "fine-tune: start from this HF model directory's weights and shape (fresh optimizer and schedule)");
   key("run", "zero1", c.zero1, "ZeRO-1: shard fp32 master weights and AdamW moments over the ranks (cuda)");
 }
 
@@ -215,7 +250,7 @@ std::string config_to_toml(const RunConfig& config) {
   for (const char* section : kSections) {
     out << "[" << section << "]\n";
     for (const CLI::Option* option : app->get_options())
-      if (option->get_group() == section) {
+      if (option->get_group() == section && !is_run_control(option->get_name().substr(2))) {
         const std::string value = option->get_default_str();
         const bool text = option->get_type_name() == "TEXT" || option->get_name() == "--arch";
         out << option->get_name().substr(2) << " = " << (text ? quoted(value) : value) << "\n";

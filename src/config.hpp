@@ -22,7 +22,7 @@ struct RunConfig {
 
   // [data]
   std::string train_data = "data/synthetic/train_*.bin";  // glob of token shards
-  std::string val_data = "data/synthetic/val_*.bin";      // empty: no validation
+  std::string val_data = "auto";  // glob; auto: the val shards beside train_data; empty: no validation
   int batch_size = 8;    // sequences per micro-batch (per GPU)
   int seq_len = 64;
   int grad_accum = 1;    // micro-batches per optimizer step
@@ -50,17 +50,23 @@ struct RunConfig {
   int val_every = 100;           // 0: never
   int val_batches = 8;
   int checkpoint_every = 0;      // 0: only at the end
-  std::string resume;            // checkpoint directory to continue from
+  int keep_checkpoints = 3;      // newest step_N checkpoints kept in out; 0: all
+  int sample_every = 0;          // print a sample every N steps (0: never)
+  std::string resume;            // checkpoint directory to continue from (run control: never saved)
+  std::string init_from;         // HF model directory whose weights (and shape) a fresh run starts from
   bool zero1 = false;            // ZeRO-1: shard the fp32 master weights and AdamW moments over the ranks
 
-  // Throws std::invalid_argument naming the key when a value is out of range or inconsistent.
+  // Throws std::invalid_argument naming the key when a value is out of range or inconsistent. With
+  // init_from set the model keys are not checked: the run takes its model from there.
   void validate() const;
 };
 
 // Registers every key of RunConfig as an option of `app` (with its default shown in --help).
 void add_config_options(CLI::App& app, RunConfig& config);
 
-// The effective configuration as a config file that parse_config_text() and --config read back.
+// The effective configuration as a config file that parse_config_text() and --config read back. Run
+// control keys (resume) are left out: they say how this process started, not what the run is, and a
+// saved config read back must start the run it describes, not continue another one.
 std::string config_to_toml(const RunConfig& config);
 
 // A config text (what config_to_toml writes, or a config file's contents) over the defaults, not yet

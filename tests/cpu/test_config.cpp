@@ -81,7 +81,9 @@ coda::RunConfig random_config(uint64_t seed) {
   c.val_every = static_cast<int>(rng.below(1000));
   c.val_batches = 1 + static_cast<int>(rng.below(100));
   c.checkpoint_every = static_cast<int>(rng.below(1000));
-  c.resume = "runs/old/step_5";
+  c.keep_checkpoints = static_cast<int>(rng.below(10));
+  c.sample_every = 1 + static_cast<int>(rng.below(1000));
+  c.init_from = "models/base \"x\"";
   return c;
 }
 
@@ -120,7 +122,10 @@ void expect_same(const coda::RunConfig& a, const coda::RunConfig& b) {
   EXPECT_EQ(a.val_every, b.val_every);
   EXPECT_EQ(a.val_batches, b.val_batches);
   EXPECT_EQ(a.checkpoint_every, b.checkpoint_every);
+  EXPECT_EQ(a.keep_checkpoints, b.keep_checkpoints);
+  EXPECT_EQ(a.sample_every, b.sample_every);
   EXPECT_EQ(a.resume, b.resume);
+  EXPECT_EQ(a.init_from, b.init_from);
 }
 
 coda::AppFactory key_factory() {
@@ -141,6 +146,19 @@ TEST(Config, TomlRoundTripKeepsEveryValueExactly) {
     expect_same(original, parsed);
     EXPECT_EQ(coda::config_to_toml(parsed), toml);
   }
+}
+
+// resume says how one process started, not what the run is: a saved config that kept it would, read
+// back, silently continue the run it was saved from.
+TEST(Config, SavedConfigLeavesRunControlKeysOut) {
+  coda::RunConfig original = random_config(3);
+  original.resume = "runs/old/step_5";
+  const std::string toml = coda::config_to_toml(original);
+  EXPECT_EQ(toml.find("resume"), std::string::npos) << toml;
+  const coda::RunConfig parsed = coda::parse_config_text(toml, "saved");
+  EXPECT_EQ(parsed.resume, "");
+  original.resume.clear();
+  expect_same(original, parsed);
 }
 
 TEST(Config, WrittenFileReadsBackThroughConfigFlag) {
