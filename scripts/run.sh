@@ -10,6 +10,8 @@ config="${1:-configs/tiny-gpt2.toml}"
 [ $# -gt 0 ] && shift
 cd "$ROOT"
 build --target coda
+# The CPU reference's OpenMP threads sleep between parallel regions instead of spinning.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 if ! compgen -G "data/synthetic/train_*.bin" >/dev/null; then
   "$BUILD_DIR/coda" prepare synthetic --out data/synthetic

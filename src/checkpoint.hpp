@@ -38,5 +38,7 @@ void save_checkpoint(const std::string& dir, const ModelConfig& model, const flo
 // Loads a directory written by save_checkpoint, or a plain HF GPT-2 / Llama directory (F32, BF16 or F16
 // safetensors; then has_trainer_state is false). Throws std::runtime_error naming the file on any error.
 Checkpoint load_checkpoint(const std::string& dir);
+// The model shape of a checkpoint or HF directory (its config.json alone), validated.
+ModelConfig load_model_config(const std::string& dir);
 
 }  // namespace coda

@@ -13,6 +13,9 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,10 +26,28 @@
 
 namespace {
 
+constexpr int kUsageError = 2, kRuntimeError = 1;
+
 int fail(const std::string& message, int code) {
   std::fflush(stdout);
   std::fprintf(stderr, "error: %s\n", message.c_str());
   return code;
+}
+
+// A configuration error: it carries the exit code of the command line's mistakes.
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+coda::RunConfig resolve(const coda::AppFactory& make_app, const std::string& config_file,
+                        const std::vector<std::string>& args) {
+  try {
+    return coda::resolve_config(make_app, config_file, args);
+  } catch (const CLI::ParseError& e) {
+    throw ConfigError(std::string(e.what()) + " (see --help)");
+  } catch (const std::exception& e) {
+    throw ConfigError(e.what());
+  }
 }
 
 // One line per backend; "vs first" is the first backend's step time over this one's (the speedup), "J vs
@@ -134,9 +155,12 @@ int main(int argc, char** argv) {
   eval_command->add_option("--checkpoint", eval_options.checkpoint, "checkpoint directory or run directory (newest)")
       ->required();
   eval_command->add_option("--data", eval_options.data, "shard glob (default: the run's val_data)");
-  eval_command->add_option("--batches", eval_options.batches, "batches (default: the run's val_batches)");
-  eval_command->add_option("--batch_size", eval_options.batch_size, "sequences per batch (default: the run's)");
-  eval_command->add_option("--seq_len", eval_options.seq_len, "tokens per sequence (default: the run's)");
+  eval_command->add_option("--batches", eval_options.batches, "batches (default: the run's val_batches)")
+      ->check(CLI::PositiveNumber);
+  eval_command->add_option("--batch_size", eval_options.batch_size, "sequences per batch (default: the run's)")
+      ->check(CLI::PositiveNumber);
+  eval_command->add_option("--seq_len", eval_options.seq_len, "tokens per sequence (default: the run's)")
+      ->check(CLI::PositiveNumber);
   eval_command->add_option("--device", eval_options.device, "auto | cpu | cuda")->capture_default_str();
 
   coda::SampleOptions sample_options;
@@ -157,9 +181,11 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
-    return fail(std::string(e.what()) + " (see --help)", 2);
+    return fail(std::string(e.what()) + " (see --help)", kUsageError);
+  } catch (const std::invalid_argument& e) {
+    return fail(e.what(), kUsageError);
   } catch (const std::exception& e) {
-    return fail(e.what(), 1);
+    return fail(e.what(), kRuntimeError);
   }
 
   // The subcommand is argv[1]: the top level has no options of its own besides --help.
@@ -169,6 +195,7 @@ int main(int argc, char** argv) {
   try {
     // train and bench run on every rank a launcher started; the device is checked before MPI starts.
     const auto start_ranks = [&](const coda::RunConfig& config) {
+      coda::require_device_available(config);
       coda::require_data_parallel_device(config, coda::detect_launch().world_size);
       dist = coda::init_distributed();
       if (!dist.is_root()) spdlog::set_level(spdlog::level::warn);
@@ -179,12 +206,13 @@ int main(int argc, char** argv) {
       coda::finalize_distributed(dist);
     };
     if (train_command->parsed()) {
-      const coda::RunConfig config = coda::resolve_config(make_train, config_file, args);
+      const coda::RunConfig config = resolve(make_train, config_file, args);
       start_ranks(config);
-      coda::train(config, comm.get());
+      const coda::TrainResult result = coda::train(config, comm.get());
       stop_ranks();
+      if (result.stop_signal != 0) return 128 + result.stop_signal;
     } else if (bench_command->parsed()) {
-      const coda::RunConfig config = coda::resolve_config(make_bench, config_file, args);
+      const coda::RunConfig config = resolve(make_bench, config_file, args);
       start_ranks(config);
       const std::vector<coda::BenchResult> results = coda::bench(config, bench_steps, bench_warmup, comm.get());
       double all_reduce_ms = 0.0;
@@ -197,12 +225,12 @@ int main(int argc, char** argv) {
     } else if (sample_command->parsed()) {
       coda::sample(sample_options, stdout);
     }
-  } catch (const CLI::ParseError& e) {
-    return fail(std::string(e.what()) + " (see --help)", 2);
   } catch (const std::exception& e) {
     if (dist.world_size > 1) coda::abort_job(std::string("error: ") + e.what());
     coda::finalize_distributed(dist);
-    return fail(e.what(), 1);
+    const bool usage = dynamic_cast<const ConfigError*>(&e) != nullptr ||
+                       dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
+    return fail(e.what(), usage ? kUsageError : kRuntimeError);
   }
   return 0;
 }

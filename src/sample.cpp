@@ -5,10 +5,17 @@
 // Temperature 0 takes the most likely token; otherwise the top_k most likely tokens (all when top_k is
 // 0) are weighted by exp((logit - max) / temperature) and one is drawn with the seeded Rng, so a seed
 // reproduces a sample.
+//
+// Output: a byte model's tokens are bytes, but a raw control byte (ESC, a carriage return, a bell)
+// would drive the terminal rather than show; printable ASCII, newline and tab are written as they are
+// and every other byte as \xNN. The same generation serves training's sample_every, on the training
+// backend.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <functional>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
@@ -64,6 +71,30 @@ std::vector<int32_t> prompt_tokens(const std::string& prompt, int vocab_size) {
 
 }  // namespace
 
+std::string token_text(int32_t token, bool bytes, bool first) {
+  if (!bytes) return (first ? "" : " ") + std::to_string(token);
+  if (token == '\n' || token == '\t' || (token >= 0x20 && token < 0x7f)) return std::string(1, static_cast<char>(token));
+  char escaped[8];
+  std::snprintf(escaped, sizeof escaped, "\\x%02x", static_cast<unsigned>(token) & 0xffu);
+  return escaped;
+}
+
+std::vector<int32_t> generate(Backend& backend, int vocab_size, std::vector<int32_t> context, int tokens,
+                              float temperature, int top_k, int max_window, Rng& rng,
+                              const std::function<void(int32_t)>& emit) {
+  std::vector<float> logits(vocab_size);
+  std::vector<int32_t> generated;
+  for (int i = 0; i < tokens; ++i) {
+    const size_t window = std::min<size_t>(context.size(), max_window);
+    backend.last_logits(context.data() + context.size() - window, 1, static_cast<int>(window), logits.data());
+    const int32_t next = pick_token(logits, temperature, top_k, rng);
+    context.push_back(next);
+    generated.push_back(next);
+    emit(next);
+  }
+  return generated;
+}
+
 std::vector<int32_t> sample(const SampleOptions& options, std::FILE* out) {
   if (options.tokens < 0) throw std::invalid_argument("tokens must be >= 0");
   if (!(options.temperature >= 0.0f)) throw std::invalid_argument("temperature must be >= 0");
@@ -85,20 +116,14 @@ std::vector<int32_t> sample(const SampleOptions& options, std::FILE* out) {
 
   if (bytes) std::fwrite(options.prompt.data(), 1, options.prompt.size(), out);
   Rng rng(options.seed);
-  std::vector<float> logits(model.vocab_size);
-  std::vector<int32_t> generated;
-  for (int i = 0; i < options.tokens; ++i) {
-    const size_t window = std::min<size_t>(context.size(), model.max_seq_len);
-    backend->last_logits(context.data() + context.size() - window, 1, static_cast<int>(window), logits.data());
-    const int32_t next = pick_token(logits, options.temperature, options.top_k, rng);
-    context.push_back(next);
-    generated.push_back(next);
-    if (bytes)
-      std::fputc(next, out);
-    else
-      std::fprintf(out, "%s%d", generated.size() == 1 ? "" : " ", next);
-    std::fflush(out);
-  }
+  bool first = true;
+  const std::vector<int32_t> generated =
+      generate(*backend, model.vocab_size, context, options.tokens, options.temperature, options.top_k,
+               model.max_seq_len, rng, [&](int32_t token) {
+                 std::fputs(token_text(token, bytes, first).c_str(), out);
+                 std::fflush(out);
+                 first = false;
+               });
   std::fputc('\n', out);
   return generated;
 }

@@ -13,10 +13,14 @@
 
 #include <spdlog/spdlog.h>
 
+#include <glob.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -29,7 +33,9 @@
 #include "dist_plan.hpp"
 #include "distributed.hpp"
 #include "kernels/cuda_check.cuh"
+#include "prepare.hpp"
 #include "rng.hpp"
+#include "stop_signal.hpp"
 
 namespace coda {
 
@@ -50,7 +56,17 @@ namespace {
 bool use_cuda(const std::string& device) { return device == "cuda" || (device == "auto" && cuda_device_available()); }
 }  // namespace
 
+void require_device_available(const RunConfig& config) {
+  if (config.device == "cuda" && !cuda_device_available())
+    throw std::runtime_error("device = cuda, but this machine has no usable CUDA GPU (use --device cpu or auto)");
+  if (!use_cuda(config.device) && config.kernels != "auto")
+    throw std::invalid_argument("kernels = " + config.kernels + " selects GPU kernels, but the run is on the cpu" +
+                                (config.device == "auto" ? " (no GPU found)" : "") +
+                                "; leave kernels = auto there, or use --device cuda");
+}
+
 std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1) {
+  require_device_available(config);
   if (use_cuda(config.device)) {
     return make_cuda_backend(config.model, config.kernels == "auto" ? "coda" : config.kernels, config.batch_size,
                              config.seq_len, zero1);
@@ -69,16 +85,25 @@ double peak_flops(const std::string& backend_name) {
 }
 // ----
 
+namespace {
+// The step of a checkpoint directory name "step_N", or -1 for any other name ("step_N.tmp" included).
+long checkpoint_step(const std::string& name) {
+  const std::string digits = name.rfind("step_", 0) == 0 ? name.substr(5) : "";
+  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stol(digits);
+}
+}  // namespace
+
 std::string find_checkpoint(const std::string& path) {
   if (!fs::is_directory(path)) throw std::runtime_error("checkpoint " + path + ": no such directory");
   if (fs::exists(fs::path(path) / "config.json")) return path;
   long newest = -1;
-  for (const auto& entry : fs::directory_iterator(path)) {
-    const std::string name = entry.path().filename().string();
-    const std::string digits = name.rfind("step_", 0) == 0 ? name.substr(5) : "";
-    if (entry.is_directory() && !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos)
-      newest = std::max(newest, std::stol(digits));
-  }
+  for (const auto& entry : fs::directory_iterator(path))
+    if (entry.is_directory()) newest = std::max(newest, checkpoint_step(entry.path().filename().string()));
+  if (newest < 0 && fs::exists(fs::path(path) / "config.toml"))
+    throw std::runtime_error("checkpoint " + path +
+                             ": this run directory holds no step_N checkpoint (its run stopped before the first "
+                             "one); start the run again without --resume");
   if (newest < 0)
     throw std::runtime_error("checkpoint " + path +
                              ": neither a checkpoint (no config.json) nor a run directory with step_N checkpoints");
@@ -111,22 +136,74 @@ void require_same_model(const ModelConfig& saved, const ModelConfig& wanted, con
       throw std::runtime_error("resume " + dir + ": the checkpoint's model has " + la + " but the config has " + lb);
 }
 
-bool holds_run(const std::string& out) {
+// A run directory blocks a fresh run only when it holds a checkpoint, the one thing --resume needs: a run
+// that failed before its first checkpoint leaves config.toml and metrics.jsonl, which a retry replaces.
+bool holds_checkpoint(const std::string& out) {
   if (!fs::is_directory(out)) return false;
-  if (fs::exists(fs::path(out) / "metrics.jsonl")) return true;
   for (const auto& entry : fs::directory_iterator(out))
-    if (entry.path().filename().string().rfind("step_", 0) == 0) return true;
+    if (entry.is_directory() && checkpoint_step(entry.path().filename().string()) >= 0) return true;
   return false;
+}
+
+// A crash or a signal while a checkpoint was written leaves step_N.tmp behind: nothing reads it, and on a
+// nearly full disk it holds the space the next checkpoint needs.
+void remove_stale_checkpoint_writes(const fs::path& out) {
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 &&
+        checkpoint_step(name.substr(0, name.size() - 4)) >= 0) {
+      spdlog::info("removing {}, a checkpoint whose write never finished", entry.path().string());
+      fs::remove_all(entry.path());
+    }
+  }
+}
+
+// Keeps the newest `keep` step_N checkpoints of out (by step); 0 keeps all.
+void prune_checkpoints(const fs::path& out, int keep) {
+  if (keep <= 0) return;
+  std::vector<std::pair<long, fs::path>> checkpoints;
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const long step = checkpoint_step(entry.path().filename().string());
+    if (entry.is_directory() && step >= 0) checkpoints.emplace_back(step, entry.path());
+  }
+  if (checkpoints.size() <= static_cast<size_t>(keep)) return;
+  std::sort(checkpoints.begin(), checkpoints.end());
+  for (size_t i = 0; i + keep < checkpoints.size(); ++i) fs::remove_all(checkpoints[i].second);
 }
 
 void write_file_atomic(const fs::path& path, const std::string& text) {
   const fs::path tmp = path.string() + ".tmp";
   {
+    errno = 0;
     std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
     file << text;
-    if (!file.flush()) throw std::runtime_error(tmp.string() + ": write failed");
+    if (!file.flush())
+      throw std::runtime_error(tmp.string() + ": write failed: " + (errno != 0 ? std::strerror(errno) : "I/O error"));
   }
   fs::rename(tmp, path);
+}
+
+// The stop signal every rank agrees on: the largest received by any (one Max all-reduce of a scalar per
+// step), so all ranks leave the loop after the same step; one process asks nobody.
+int agreed_stop_signal(const StopOnSignal& signals, Communicator* comm) {
+  const int local = signals.pending();
+  if (comm == nullptr) return local;
+  return static_cast<int>(comm->all_reduce_scalar(static_cast<float>(local), ReduceOp::Max));
+}
+
+// sample_every: 32 tokens after the first 8 of the step's last micro-batch, drawn with a generator of
+// their own (from seed and step) so that sampling leaves the run's random stream untouched.
+std::string training_sample(Backend& backend, const RunConfig& config, const std::vector<int32_t>& batch, int step) {
+  const size_t prompt = std::min<size_t>(8, static_cast<size_t>(config.seq_len));
+  const std::vector<int32_t> context(batch.begin(), batch.begin() + static_cast<long>(prompt));
+  const bool bytes = config.model.vocab_size == kByteVocabSize;
+  std::string text;
+  for (int32_t token : context) text += token_text(token, bytes, text.empty());
+  text += bytes ? " | " : " |";
+  Rng rng(config.seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(step)));
+  generate(backend, config.model.vocab_size, context, 32, 1.0f, 0, config.seq_len, rng,
+           [&](int32_t token) { text += token_text(token, bytes, false); });
+  return text;
 }
 
 // On resume, metrics.jsonl keeps the lines of the steps the checkpoint includes (a run that went on past
@@ -189,8 +266,43 @@ BatchPlan batch_plan(const RunConfig& config, int world_size) {
   return plan_batch(world_size, config.batch_size, config.seq_len, config.grad_accum);
 }
 
-TrainResult train(const RunConfig& config, Communicator* comm) {
+RunConfig effective_run_config(const RunConfig& requested) {
+  RunConfig config = requested;
+  if (!config.init_from.empty()) {  // resuming, the checkpoint has that shape and init_from may be gone
+    const std::string& source = config.resume.empty() ? config.init_from : config.resume;
+    config.model = load_model_config(find_checkpoint(source));
+    if (config.seq_len > config.model.max_seq_len)
+      throw std::invalid_argument("seq_len (" + std::to_string(config.seq_len) + ") must be <= max_seq_len (" +
+                                  std::to_string(config.model.max_seq_len) + ") of the model in " + source);
+  }
+  config.val_data = resolve_val_data(config.val_data, config.train_data);
   config.validate();
+  return config;
+}
+
+std::string resolve_val_data(const std::string& val_data, const std::string& train_data) {
+  if (val_data != "auto") return val_data;
+  const fs::path train(train_data);
+  const std::string name = train.filename().string();
+  const size_t at = name.find("train");
+  const std::string beside =
+      at == std::string::npos ? "" : (train.parent_path() / (name.substr(0, at) + "val" + name.substr(at + 5))).string();
+  const auto matches_files = [](const std::string& pattern) {
+    glob_t matches{};
+    const bool found = !pattern.empty() && ::glob(pattern.c_str(), 0, nullptr, &matches) == 0 && matches.gl_pathc > 0;
+    ::globfree(&matches);
+    return found;
+  };
+  // Without training data there is nothing to validate; the training loader names the missing files.
+  if (matches_files(beside) || !matches_files(train_data)) return beside;
+  throw std::invalid_argument("val_data = \"auto\" validates on the val shards beside train_data, but " +
+                              (beside.empty() ? "train_data \"" + train_data + "\" has no \"train\" in its file name"
+                                              : "no file matches \"" + beside + "\"") +
+                              "; set val_data to a glob of validation shards, or to \"\" for no validation");
+}
+
+TrainResult train(const RunConfig& requested, Communicator* comm) {
+  const RunConfig config = effective_run_config(requested);
   const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
   const bool root = rank == 0;
   require_data_parallel_device(config, world_size);
@@ -200,6 +312,8 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
   const BatchPlan plan = batch_plan(config, world_size);
   const int B = plan.micro_batch, T = plan.seq_len, A = plan.grad_accum;
 
+  TrainResult result;
+  result.val_loss = std::numeric_limits<float>::quiet_NaN();
   Checkpoint resumed;
   std::string resume_dir;
   if (!config.resume.empty()) {
@@ -208,17 +322,28 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
     if (!resumed.has_trainer_state)
       throw std::runtime_error("resume " + resume_dir + ": no trainer state (a bare model cannot be resumed)");
     require_same_model(resumed.model, model, resume_dir);
-  } else if (root && holds_run(config.out)) {
-    throw std::runtime_error("out " + config.out + " already holds a run; continue it with --resume " + config.out +
-                             " or choose another --out");
+    if (resumed.state.step >= config.steps) {
+      spdlog::info("nothing to do: {} is already at step {} of {} (raise --steps to train longer)", resume_dir,
+                   resumed.state.step, config.steps);
+      result.step = resumed.state.step;
+      result.checkpoint = resume_dir;
+      return result;
+    }
+  } else if (root && holds_checkpoint(config.out)) {
+    throw std::runtime_error("out " + config.out + " already holds a run with checkpoints; continue it with --resume " +
+                             config.out + " or choose another --out");
   }
+  Checkpoint initial;
+  if (!config.init_from.empty() && resume_dir.empty()) initial = load_checkpoint(find_checkpoint(config.init_from));
 
   Rng rng(config.seed);
   const uint64_t init_seed = rng.next_u64(), data_seed = rng.next_u64();
   DataLoader train_data(config.train_data, B, T, rank, world_size, true, data_seed, model.vocab_size);
   std::unique_ptr<DataLoader> val_data;
-  if (root && !config.val_data.empty())
-    val_data = std::make_unique<DataLoader>(config.val_data, B, T, 0, 1, false, 0, model.vocab_size);
+  if (!config.val_data.empty()) {  // every rank checks it, so a bad shard stops all of them before step 1
+    auto loader = std::make_unique<DataLoader>(config.val_data, B, T, 0, 1, false, 0, model.vocab_size);
+    if (root) val_data = std::move(loader);
+  }
 
   std::unique_ptr<Backend> backend = make_backend(config, config.zero1 ? comm : nullptr);
   const ParamLayout layout = make_param_layout(model);
@@ -229,6 +354,8 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
     step = resumed.state.step;
     train_data.restore(continued_position(resumed.state.data_position, train_data, plan));
     rng.set_state(resumed.state.rng);
+  } else if (!initial.params.empty()) {
+    backend->load_params(initial.params.data());
   } else {
     std::vector<float> params(layout.total);
     init_params(model, layout, init_seed, params.data());
@@ -241,6 +368,10 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
   std::ofstream metrics;
   if (root) {
     fs::create_directories(out);
+    remove_stale_checkpoint_writes(out);
+    if (!resumed.has_trainer_state && fs::exists(metrics_path) && fs::file_size(metrics_path) > 0)
+      spdlog::warn("out {}: replacing the metrics of an earlier run that stopped before its first checkpoint",
+                   config.out);
     write_file_atomic(out / "config.toml", effective);
     if (resumed.has_trainer_state)
       truncate_metrics(metrics_path, step);
@@ -256,6 +387,8 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
                plan.global_batch(), world_size, B, A, plan.tokens_per_step());
   if (config.zero1) spdlog::info("ZeRO-1: fp32 master weights and AdamW moments sharded over {} ranks", world_size);
   if (!resume_dir.empty()) spdlog::info("resumed from {} at step {}", resume_dir, step);
+  if (!initial.params.empty())
+    spdlog::info("initialised from {} (fresh optimizer state and schedule)", config.init_from);
 
   // Called on every rank; under ZeRO-1 the reads gather the shards and need every rank, otherwise the other
   // ranks have nothing to do. Returns the directory written (empty on ranks other than 0).
@@ -273,12 +406,11 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
     const std::string dir = (out / ("step_" + std::to_string(at_step))).string();
     save_checkpoint(dir, model, params.data(), m.data(), v.data(), state);
     spdlog::info("checkpoint {}", dir);
+    prune_checkpoints(out, config.keep_checkpoints);
     return dir;
   };
 
-  TrainResult result;
   result.step = step;
-  result.val_loss = std::numeric_limits<float>::quiet_NaN();
   const int first_step = step;
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
   const double tokens_per_step = static_cast<double>(plan.tokens_per_step());
@@ -286,6 +418,8 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
   double window_ms = 0.0;
   int window_steps = 0;
   using clock = std::chrono::steady_clock;
+  const auto run_start = clock::now();
+  const StopOnSignal signals;
   while (step < config.steps) {
     const auto start = clock::now();
     const float lr = lr_at(config, step);
@@ -312,8 +446,13 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
     result.loss = loss;
     const bool last = step == config.steps;
     const bool checkpoint_due = (config.checkpoint_every > 0 && step % config.checkpoint_every == 0) || last;
+    const int stop = agreed_stop_signal(signals, comm);
     if (!root) {
-      if (checkpoint_due) save(step);
+      if (checkpoint_due || stop != 0) save(step);
+      if (stop != 0) {
+        result.stop_signal = stop;
+        break;
+      }
       continue;
     }
 
@@ -324,6 +463,7 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
       record["val_loss"] = result.val_loss;
     }
     metrics << record.dump() << "\n" << std::flush;
+    if (!metrics) throw std::runtime_error(metrics_path.string() + ": write failed: " + std::strerror(errno));
 
     window_ms += ms;
     ++window_steps;
@@ -338,9 +478,23 @@ TrainResult train(const RunConfig& config, Communicator* comm) {
       window_steps = 0;
     }
     if (record.contains("val_loss")) spdlog::info("step {:>6}/{} | val_loss {:.4f}", step, config.steps, result.val_loss);
-    if (checkpoint_due) result.checkpoint = save(step);
+    if (config.sample_every > 0 && step % config.sample_every == 0)
+      spdlog::info("step {:>6}/{} | sample: {}", step, config.steps, training_sample(*backend, config, tokens, step));
+    if (checkpoint_due || stop != 0) result.checkpoint = save(step);
+    if (stop != 0) {
+      result.stop_signal = stop;
+      spdlog::warn("stopped by {} after step {}: checkpoint {}; continue with --resume {}", stop_signal_name(stop),
+                   step, result.checkpoint, config.out);
+      break;
+    }
   }
-  if (first_step >= config.steps) spdlog::info("nothing to do: the run is already at step {} of {}", step, config.steps);
+  if (root) {
+    const double seconds = std::chrono::duration<double>(clock::now() - run_start).count();
+    spdlog::info("{} {} steps ({} to {}) in {}, {:.0f} tokens; final loss {:.4f}, val_loss {}",
+                 result.stop_signal != 0 ? "stopped after" : "done:", step - first_step, first_step, step,
+                 duration_text(seconds), (step - first_step) * tokens_per_step, result.loss,
+                 std::isnan(result.val_loss) ? std::string("-") : fmt::format("{:.4f}", result.val_loss));
+  }
   return result;
 }
 
@@ -351,7 +505,16 @@ float evaluate(const EvalOptions& options) {
   if (checkpoint.has_trainer_state) run = parse_config_text(checkpoint.state.run_config, dir + "/trainer_state.json");
   run.model = checkpoint.model;
   run.device = options.device;
-  if (!options.data.empty()) run.val_data = options.data;
+  if (!use_cuda(run.device)) run.kernels = "auto";  // the training run's GPU kernels mean nothing here
+  if (!options.data.empty()) {
+    run.val_data = options.data;
+  } else {
+    try {
+      run.val_data = resolve_val_data(run.val_data, run.train_data);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("eval: no --data given, and ") + e.what());
+    }
+  }
   if (options.batches > 0) run.val_batches = options.batches;
   if (options.batch_size > 0) run.batch_size = options.batch_size;
   if (options.seq_len > 0) run.seq_len = options.seq_len;

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "backend.hpp"
 #include "config.hpp"
 #include "dist_plan.hpp"
+#include "rng.hpp"
 
 namespace coda {
 
@@ -22,6 +24,9 @@ float lr_at(const RunConfig& config, int step);
 // config.batch_size sequences of config.seq_len tokens. zero1: shard the optimizer state over its ranks
 // (cuda only; config.zero1 itself is read by train(), which passes its communicator here).
 std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1 = nullptr);
+// What make_backend checks first: device = cuda needs a GPU (std::runtime_error), and kernels other
+// than auto need the cuda backend (std::invalid_argument), rather than silently running on the CPU.
+void require_device_available(const RunConfig& config);
 // (device, kernels) of every backend this build and machine can run, in the order `coda bench` times
 // them (the unfused mode first, so the bench's "vs first" column is coda's speedup).
 std::vector<std::pair<std::string, std::string>> available_backends();
@@ -45,13 +50,26 @@ struct TrainResult {
   float loss = 0.0f;        // training loss of the last step
   float val_loss = 0.0f;    // last validation loss (NaN when there was none)
   std::string checkpoint;   // the last checkpoint written
+  int stop_signal = 0;      // SIGINT / SIGTERM when a signal stopped the run early (with a checkpoint)
 };
 
-// Trains config (validated) into the run directory config.out:
+// The configuration a run trains with: with init_from, the model keys of that directory's config.json
+// (of the resume checkpoint's when resuming; the config's own are ignored); val_data "auto" resolved
+// (resolve_val_data). Validated.
+RunConfig effective_run_config(const RunConfig& config);
+// val_data "auto": the shards beside train_data whose file names say "val" where train_data's say
+// "train" (data/x/train_*.bin -> data/x/val_*.bin) when such files exist; throws std::invalid_argument
+// asking for val_data otherwise. Any other value is returned as it is ("" = no validation).
+std::string resolve_val_data(const std::string& val_data, const std::string& train_data);
+
+// Trains config into the run directory config.out:
 //   config.toml     the effective configuration (`coda train --config` reads it back)
 //   metrics.jsonl   one JSON object per step: step, loss, lr, grad_norm, ms, tokens_per_s (+ val_loss)
-//   step_N/         checkpoints (checkpoint.hpp) every checkpoint_every steps and at the end
-// A fresh run refuses a directory that already holds a run; --resume continues one exactly.
+//   step_N/         checkpoints (checkpoint.hpp) every checkpoint_every steps and at the end; only the
+//                   newest keep_checkpoints stay
+// A fresh run refuses a directory that holds a checkpoint; --resume continues it exactly. A resume that
+// has nothing to do (already at config.steps) writes nothing. SIGINT or SIGTERM during the loop stops it
+// after the current step with a checkpoint (TrainResult::stop_signal; all ranks stop at the same step).
 // comm: data parallelism over comm's ranks (every rank calls train with the same config); null: one
 // process. With several ranks, rank r reads slice r of every global batch, gradients and the logged loss
 // are averaged over ranks, and rank 0 alone writes the run directory and validates; on the others
@@ -79,9 +97,18 @@ struct SampleOptions {
   uint64_t seed = 1337;
   std::string device = "auto";
 };
-// Generates options.tokens tokens after the prompt, writing each to out as it comes (bytes for the byte
-// tokenizer, " id" otherwise); returns the generated token ids.
+// Generates options.tokens tokens after the prompt, writing each to out as it comes (token_text);
+// returns the generated token ids.
 std::vector<int32_t> sample(const SampleOptions& options, std::FILE* out);
+// How a generated token is shown: for the byte tokenizer (bytes) printable ASCII, newline and tab as
+// they are and any other byte as \xNN (a raw control byte would drive the terminal); otherwise the id,
+// after a space unless it is the first.
+std::string token_text(int32_t token, bool bytes, bool first);
+// Generates `tokens` tokens after context with backend (a model of vocab_size, fed at most max_window
+// tokens), calling emit with each as it comes; returns them. Temperature 0 is greedy; top_k 0: all.
+std::vector<int32_t> generate(Backend& backend, int vocab_size, std::vector<int32_t> context, int tokens,
+                              float temperature, int top_k, int max_window, Rng& rng,
+                              const std::function<void(int32_t)>& emit);
 
 struct BenchResult {
   std::string backend;

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 
 #include "config.hpp"
+#include "kernels/cuda_check.cuh"
 #include "rng.hpp"
 #include "tests/test_util.hpp"
 
@@ -260,6 +261,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"HeadsDoNotDivideWidth", "[model]\nd_model = 66\nn_head = 4\n", "", "d_model (66) must be divisible by n_head (4)"},
         BadInput{"SeqLenBeyondModel", "[data]\nseq_len = 512\n[model]\nmax_seq_len = 256\n", "", "seq_len (512)"},
         BadInput{"NegativeLr", "[optim]\nlr = -0.1\n", "", "lr must be > 0"},
+        BadInput{"InfiniteLr", "[optim]\nlr = inf\n", "", "--lr: must be a finite number"},
+        BadInput{"NanOnCommandLine", "", "--grad_clip nan", "--grad_clip: must be a finite number"},
+        BadInput{"BooleanThree", "[model]\ntied_head = 3\n", "", "--tied_head: must be true or false"},
+        BadInput{"NegativeSeed", "", "--seed -1", "--seed: must be >= 0"},
+        BadInput{"GpuKernelsOnTheCpu", "", "--kernels coda", "kernels = coda selects GPU kernels"},
+        BadInput{"NegativeKeepCheckpoints", "", "--keep_checkpoints -1", "keep_checkpoints must be >= 0"},
         BadInput{"GlobalBatchAndGradAccum", "[data]\nglobal_batch = 64\ngrad_accum = 2\n", "",
                  "set global_batch or grad_accum, not both"},
         BadInput{"GlobalBatchNotAMultiple", "[data]\nglobal_batch = 10\nbatch_size = 4\n", "",
@@ -275,11 +282,31 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"MissingResumeCheckpoint", "", "--resume /nonexistent/run", "/nonexistent/run"}),
     [](const testing::TestParamInfo<BadInput>& info) { return std::string(info.param.name); });
 
-TEST(Config, UsageErrorsExitWithTwoAndOtherErrorsWithOne) {
+// 2: the command line or the configuration is wrong, wherever the mistake sits; 1: running failed.
+TEST(Config, ConfigurationErrorsExitWithTwoAndRuntimeFailuresWithOne) {
   EXPECT_EQ(run_coda("train --stepz 3").exit_code, 2);
   EXPECT_EQ(run_coda("frobnicate").exit_code, 2);
   EXPECT_EQ(run_coda("").exit_code, 2);
   TempDir dir("coda_config");
   write_text(dir / "bad.toml", "bogus = 1\n");
-  EXPECT_EQ(run_coda("train --config " + (dir / "bad.toml")).exit_code, 1);
+  write_text(dir / "bad_value.toml", "[optim]\nsteps = many\n");
+  const std::string out = " --device cpu --out " + (dir / "run");
+  EXPECT_EQ(run_coda("train --config " + (dir / "bad.toml") + out).exit_code, 2) << "unknown key in a file";
+  EXPECT_EQ(run_coda("train --config " + (dir / "bad_value.toml") + out).exit_code, 2) << "bad value in a file";
+  EXPECT_EQ(run_coda("train --steps many" + out).exit_code, 2) << "the same bad value on the command line";
+  EXPECT_EQ(run_coda("train --n_head 5" + out).exit_code, 2) << "an inconsistent value";
+  EXPECT_EQ(run_coda("train --config " + (dir / "missing.toml") + out).exit_code, 2) << "no config file";
+  EXPECT_EQ(run_coda("eval --batches 0 --checkpoint " + (dir / "run")).exit_code, 2) << "--batches 0";
+  EXPECT_EQ(run_coda("train --train_data /nonexistent/train_*.bin --val_data ''" + out).exit_code, 1)
+      << "missing data is a failure while running";
+  EXPECT_EQ(run_coda("eval --checkpoint " + (dir / "run")).exit_code, 1) << "missing checkpoint";
+}
+
+TEST(Config, BenchOnCudaWithoutAGpuFailsInsteadOfTimingTheCpu) {
+  if (coda::cuda_device_available()) GTEST_SKIP() << "this machine has a GPU";
+  const CommandResult result = run_coda("bench --device cuda --steps 1 --warmup 0");
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("device = cuda, but this machine has no usable CUDA GPU"), std::string::npos)
+      << result.output;
+  EXPECT_EQ(result.output.find("median ms/step"), std::string::npos) << "no table: " << result.output;
 }

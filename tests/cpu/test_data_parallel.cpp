@@ -164,7 +164,8 @@ TEST(DataParallelDevice, CliUnderALauncherRefusesTheCpuBeforeStartingAnything) {
     char buffer[4096];
     for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) output.append(buffer, n);
     const int status = pclose(pipe);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << launcher << "\n" << output;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << "a configuration error: " << launcher << "\n"
+                                                               << output;
     EXPECT_NE(output.find("error: device = cpu"), std::string::npos) << output;
     EXPECT_NE(output.find("2 ranks"), std::string::npos) << output;
     EXPECT_FALSE(fs::exists(out)) << "nothing is written";

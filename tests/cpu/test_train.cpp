@@ -4,6 +4,13 @@
 
 #include <spdlog/spdlog.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -11,11 +18,13 @@
 #include <iterator>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "checkpoint.hpp"
+#include "data.hpp"
 #include "prepare.hpp"
 #include "tests/test_util.hpp"
 #include "train.hpp"
@@ -62,6 +71,57 @@ TEST(LrSchedule, CosineFallsFromThePeakToTheFloorSymmetrically) {
 // ---- training on the synthetic corpus
 
 namespace {
+
+// A sampled byte as the terminal should see it: printable ASCII, newline and tab raw, the rest \xNN.
+std::string shown_byte(int32_t token) {
+  if (token == '\n' || token == '\t' || (token >= 32 && token <= 126)) return std::string(1, static_cast<char>(token));
+  const char* digits = "0123456789abcdef";
+  return std::string("\\x") + digits[(token >> 4) & 15] + digits[token & 15];
+}
+
+// Runs the built coda binary with arguments, stdout and stderr into log; returns its process id.
+pid_t start_coda(const std::vector<std::string>& arguments, const std::string& log) {
+  std::vector<std::string> words = {CODA_BINARY};
+  words.insert(words.end(), arguments.begin(), arguments.end());
+  std::vector<char*> argv;
+  for (std::string& word : words) argv.push_back(word.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // only async-signal-safe calls between fork and exec
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, STDOUT_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// The exit code of a finished process; -N when signal N killed it (so 130 means it exited by itself).
+int exit_code(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream file(path);
+  return std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+}
+
+size_t count_of(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+std::vector<std::string> checkpoint_names(const fs::path& out) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(out))
+    if (entry.path().filename().string().rfind("step_", 0) == 0) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 class Training : public testing::Test {
  protected:
@@ -285,12 +345,12 @@ TEST_F(Training, EvalMatchesValidationAndSampleIsReproducible) {
     coda::SampleOptions options{result.checkpoint, "ab", 20, temperature, 8, seed, "cpu"};
     const std::vector<int32_t> tokens = coda::sample(options, out);
     std::rewind(out);
-    std::string text(64, '\0');
+    std::string text(256, '\0');
     text.resize(std::fread(text.data(), 1, text.size(), out));
     std::fclose(out);
-    EXPECT_EQ(text.size(), 2 + tokens.size() + 1);
-    EXPECT_EQ(text.substr(0, 2), "ab");
-    for (size_t i = 0; i < tokens.size(); ++i) EXPECT_EQ(static_cast<unsigned char>(text[2 + i]), tokens[i]);
+    std::string expected = "ab";
+    for (int32_t token : tokens) expected += shown_byte(token);
+    EXPECT_EQ(text, expected + "\n");
     return tokens;
   };
   const std::vector<int32_t> first = generate(5, 1.0f);
@@ -314,4 +374,215 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
   EXPECT_FALSE(fs::exists(c.out)) << "bench writes no run directory";
   c.zero1 = true;
   EXPECT_THROW(coda::bench(c, 1, 0), std::invalid_argument) << "ZeRO-1 without a communicator";
+}
+
+// ---- a run the user can trust and drive
+
+TEST(TokenText, EscapesBytesThatWouldDriveTheTerminal) {
+  EXPECT_EQ(coda::token_text('a', true, true), "a");
+  EXPECT_EQ(coda::token_text('\n', true, false), "\n");
+  EXPECT_EQ(coda::token_text(27, true, false), "\\x1b");  // ESC
+  EXPECT_EQ(coda::token_text(13, true, false), "\\x0d");
+  EXPECT_EQ(coda::token_text(200, true, false), "\\xc8");
+  EXPECT_EQ(coda::token_text(42, false, true), "42");
+  EXPECT_EQ(coda::token_text(42, false, false), " 42");
+}
+
+// A bad id deep in a validation shard used to end the run at its first validation, with a run directory
+// and no checkpoint; now the run stops before step 1 and writes nothing.
+TEST_F(Training, ABadIdInAValidationShardStopsTheRunBeforeItWritesAnything) {
+  coda::Rng rng(9);
+  std::vector<uint32_t> tokens(4000);
+  for (auto& token : tokens) token = static_cast<uint32_t>(rng.below(256));
+  tokens[3500] = 999;
+  fs::create_directories(*root_ / "bad_val");
+  const std::string shard = *root_ / "bad_val/val_000.bin";
+  coda::write_shard(shard, tokens, 65536);
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "bad_val_run");
+  c.val_data = shard;
+  try {
+    coda::train(c);
+    ADD_FAILURE() << "a validation shard with token id 999 was accepted for vocab_size 256";
+  } catch (const std::runtime_error& e) {
+    const std::string message = e.what();
+    for (const std::string& part : {shard, std::string("token id 999"), std::string("vocab_size 256")})
+      EXPECT_NE(message.find(part), std::string::npos) << message;
+  }
+  EXPECT_FALSE(fs::exists(c.out));
+}
+
+TEST_F(Training, ValDataAutoIsTheValShardsBesideTheTrainShards) {
+  EXPECT_EQ(coda::RunConfig().val_data, "auto");
+  EXPECT_EQ(coda::resolve_val_data("auto", *root_ / "data/train_*.bin"), *root_ / "data/val_*.bin");
+  EXPECT_EQ(coda::resolve_val_data("other/*.bin", *root_ / "data/train_*.bin"), "other/*.bin");
+  EXPECT_EQ(coda::resolve_val_data("", *root_ / "data/train_*.bin"), "");
+  fs::create_directories(*root_ / "train_only");
+  fs::copy_file(coda::match_shards(*root_ / "data/train_*.bin").front(), *root_ / "train_only/train_000.bin");
+  try {
+    coda::resolve_val_data("auto", *root_ / "train_only/train_*.bin");
+    ADD_FAILURE() << "no val shards beside the train shards, and no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("set val_data"), std::string::npos) << e.what();
+  }
+}
+
+// A run that failed before its first checkpoint leaves config.toml and some metrics: nothing to resume,
+// so a retry into the same directory starts afresh, and --resume says why it cannot continue.
+TEST_F(Training, ARunThatFailedBeforeItsFirstCheckpointCanBeRetried) {
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "retry");
+  c.steps = 4;
+  c.val_every = 0;
+  fs::create_directories(c.out);
+  std::ofstream(fs::path(c.out) / "config.toml") << coda::config_to_toml(c);
+  std::ofstream(fs::path(c.out) / "metrics.jsonl") << "{\"step\":1,\"loss\":5.5}\n{\"step\":2,\"loss\":5.4}\n";
+  coda::RunConfig resume = c;
+  resume.resume = c.out;
+  try {
+    coda::train(resume);
+    ADD_FAILURE() << "resumed a run directory without a checkpoint";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("start the run again without --resume"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(coda::train(c).step, 4);
+  EXPECT_EQ(metrics(c.out).size(), 4u);
+}
+
+// The saved config describes the run, not how its process started: read back into another directory it
+// trains that run from the start, and a resume with nothing to do leaves the saved config alone.
+TEST_F(Training, SavedConfigStartsItsOwnRunAndANoOpResumeWritesNothing) {
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "read_back");
+  c.steps = 4;
+  c.val_every = 0;
+  coda::train(c);
+  coda::RunConfig longer = c;
+  longer.resume = c.out;
+  longer.steps = 6;
+  coda::train(longer);
+  const std::string saved = read_text(fs::path(c.out) / "config.toml");
+  coda::RunConfig read_back = coda::parse_config_text(saved, "config.toml");
+  EXPECT_EQ(read_back.resume, "");
+  EXPECT_EQ(read_back.steps, 6);
+  read_back.out = *root_ / "read_back_copy";
+  EXPECT_EQ(coda::train(read_back).step, 6);
+  EXPECT_EQ(losses(read_back.out).size(), 6u) << "a fresh run of six steps, not a resume of the other run";
+
+  coda::RunConfig no_op = c;
+  no_op.resume = c.out;
+  no_op.steps = 3;
+  EXPECT_EQ(coda::train(no_op).step, 6);
+  EXPECT_EQ(read_text(fs::path(c.out) / "config.toml"), saved);
+  EXPECT_EQ(losses(c.out).size(), 6u);
+}
+
+TEST_F(Training, KeepsTheNewestCheckpointsAndClearsUnfinishedWrites) {
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "keep");
+  c.steps = 10;
+  c.checkpoint_every = 2;
+  c.keep_checkpoints = 2;
+  c.val_every = 0;
+  fs::create_directories(fs::path(c.out) / "step_3.tmp");  // a write a crash interrupted
+  std::ofstream(fs::path(c.out) / "step_3.tmp/model.safetensors") << "partial";
+  coda::train(c);
+  EXPECT_EQ(checkpoint_names(c.out), (std::vector<std::string>{"step_10", "step_8"}));
+  coda::RunConfig all = c;
+  all.out = *root_ / "keep_all";
+  all.keep_checkpoints = 0;
+  coda::train(all);
+  EXPECT_EQ(checkpoint_names(all.out).size(), 5u);
+}
+
+// Fine-tuning: a bare HF model directory (config.json + model.safetensors, as transformers writes them)
+// gives the weights and the shape; the run starts at step 0 with fresh optimizer state and schedule.
+TEST_F(Training, InitFromStartsAFreshRunFromAnHfModel) {
+  coda::RunConfig base = tiny(coda::Arch::Llama, "init_base");
+  base.steps = 40;
+  base.lr = 1e-2f;
+  base.val_every = 0;
+  const coda::TrainResult trained = coda::train(base);
+  const fs::path hf = *root_ / "hf_llama";
+  fs::create_directories(hf);
+  for (const char* file : {"config.json", "model.safetensors"})
+    fs::copy_file(fs::path(trained.checkpoint) / file, hf / file);
+
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "init_run");  // its model keys give way to the HF config
+  c.model.n_layer = 5;
+  c.init_from = hf.string();
+  c.steps = 2;
+  c.lr = 1e-7f;
+  c.warmup_steps = 0;
+  c.weight_decay = 0.0f;
+  c.val_every = 0;
+  const coda::TrainResult result = coda::train(c);
+  EXPECT_EQ(result.step, 2);
+  const std::vector<nlohmann::json> records = metrics(c.out);
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records[0].at("step").get<int>(), 1) << "the run starts at step 0";
+  EXPECT_FLOAT_EQ(records[0].at("lr").get<float>(), coda::lr_at(c, 0)) << "a fresh schedule";
+  EXPECT_LT(records[0].at("loss").get<double>(), std::log(256.0) - 0.5) << "the trained weights were loaded";
+
+  const coda::Checkpoint source = coda::load_checkpoint(trained.checkpoint), after = coda::load_checkpoint(result.checkpoint);
+  EXPECT_EQ(after.model.arch, coda::Arch::Llama);
+  EXPECT_EQ(after.model.n_layer, base.model.n_layer);
+  EXPECT_EQ(after.state.step, 2);
+  ASSERT_EQ(after.params.size(), source.params.size());
+  float largest_change = 0.0f;
+  for (size_t i = 0; i < after.params.size(); ++i)
+    largest_change = std::max(largest_change, std::fabs(after.params[i] - source.params[i]));
+  EXPECT_LT(largest_change, 1e-5f) << "two steps of lr 1e-7 barely move the loaded weights";
+  const coda::RunConfig saved = coda::parse_config_text(read_text(fs::path(c.out) / "config.toml"), "config.toml");
+  EXPECT_EQ(saved.model.arch, coda::Arch::Llama);
+  EXPECT_EQ(saved.model.n_layer, base.model.n_layer);
+
+  coda::RunConfig too_long = c;
+  too_long.out = *root_ / "init_too_long";
+  too_long.seq_len = 32;  // the HF model's max_seq_len is 16
+  EXPECT_THROW(coda::train(too_long), std::invalid_argument);
+  EXPECT_FALSE(fs::exists(too_long.out));
+}
+
+// A real `coda train` process: the first SIGINT ends it after the step in progress with a checkpoint of
+// that step and exit code 130; resuming from the run directory then finishes the run.
+TEST_F(Training, SigintStopsWithACheckpointAndTheRunResumes) {
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "sigint");
+  c.steps = 1000000;
+  c.val_every = 0;
+  c.log_every = 1;
+  const std::string config = *root_ / "sigint.toml", log = *root_ / "sigint.log";
+  std::ofstream(config) << coda::config_to_toml(c);
+  const pid_t pid = start_coda({"train", "--config", config}, log);
+  // Wait (while it runs) for three complete metrics lines: the loop, and so the handler, is running.
+  const fs::path metrics_path = fs::path(c.out) / "metrics.jsonl";
+  while (count_of(read_text(metrics_path), "\n") < 3 && ::waitpid(pid, nullptr, WNOHANG) == 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_EQ(::kill(pid, SIGINT), 0) << "the run ended by itself: " << read_text(log);
+  EXPECT_EQ(exit_code(pid), 130) << read_text(log);
+  const int steps_done = static_cast<int>(metrics(c.out).size());
+  ASSERT_GE(steps_done, 3) << read_text(log);
+  EXPECT_NE(read_text(log).find("stopped by SIGINT after step " + std::to_string(steps_done)), std::string::npos)
+      << read_text(log);
+  const coda::Checkpoint saved = coda::load_checkpoint(coda::find_checkpoint(c.out));
+  EXPECT_EQ(saved.state.step, steps_done);
+
+  const std::string finish = std::to_string(steps_done + 2);
+  const pid_t resumed = start_coda({"train", "--config", c.out + "/config.toml", "--resume", c.out, "--steps", finish},
+                                   *root_ / "sigint_resume.log");
+  EXPECT_EQ(exit_code(resumed), 0) << read_text(*root_ / "sigint_resume.log");
+  EXPECT_EQ(coda::load_checkpoint(coda::find_checkpoint(c.out)).state.step, steps_done + 2);
+  EXPECT_EQ(static_cast<int>(metrics(c.out).size()), steps_done + 2);
+}
+
+// What the console shows around the loop: sample_every's samples and the closing summary.
+TEST_F(Training, ConsoleShowsSamplesAndAFinalSummary) {
+  coda::RunConfig c = tiny(coda::Arch::GPT2, "console");
+  c.steps = 4;
+  c.sample_every = 2;
+  c.val_every = 2;
+  const std::string config = *root_ / "console.toml", log = *root_ / "console.log";
+  std::ofstream(config) << coda::config_to_toml(c);
+  EXPECT_EQ(exit_code(start_coda({"train", "--config", config}, log)), 0) << read_text(log);
+  const std::string text = read_text(log);
+  EXPECT_EQ(count_of(text, "| sample: "), 2u) << text;
+  EXPECT_NE(text.find("done: 4 steps (0 to 4)"), std::string::npos) << text;
+  EXPECT_NE(text.find(", 512 tokens; final loss "), std::string::npos) << text;
+  EXPECT_EQ(text.find("val_loss -"), std::string::npos) << "the run validated: " << text;
 }
