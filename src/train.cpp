@@ -27,6 +27,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "background_job.hpp"
 #include "checkpoint.hpp"
 #include "coda_backend.hpp"
 #include "data.hpp"
@@ -391,9 +392,14 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
     spdlog::info("initialised from {} (fresh optimizer state and schedule)", config.init_from);
 
   // Called on every rank; under ZeRO-1 the reads gather the shards and need every rank, otherwise the other
-  // ranks have nothing to do. Returns the directory written (empty on ranks other than 0).
+  // ranks have nothing to do. The state is copied to the host here; rank 0 then writes the files on
+  // `writer`'s thread while training goes on (the previous write is waited for first, so one set of
+  // copies is in flight). Returns the directory being written (empty on ranks other than 0); it is
+  // complete once writer.wait() returns.
+  BackgroundJob writer;
   const auto save = [&](int at_step) -> std::string {
     if (!root && !config.zero1) return {};
+    if (root) writer.wait();
     std::vector<float> params(layout.total), m(layout.total), v(layout.total);
     backend->read_params(params.data());
     backend->read_optimizer_state(m.data(), v.data());
@@ -404,9 +410,12 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
     state.rng = rng.state();
     state.run_config = effective;
     const std::string dir = (out / ("step_" + std::to_string(at_step))).string();
-    save_checkpoint(dir, model, params.data(), m.data(), v.data(), state);
-    spdlog::info("checkpoint {}", dir);
-    prune_checkpoints(out, config.keep_checkpoints);
+    writer.start([dir, model, state, out, keep = config.keep_checkpoints, params = std::move(params),
+                  m = std::move(m), v = std::move(v)] {
+      save_checkpoint(dir, model, params.data(), m.data(), v.data(), state);
+      spdlog::info("checkpoint {}", dir);
+      prune_checkpoints(out, keep);
+    });
     return dir;
   };
 
@@ -446,7 +455,7 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
     result.loss = loss;
     const bool last = step == config.steps;
     const bool checkpoint_due = (config.checkpoint_every > 0 && step % config.checkpoint_every == 0) || last;
-    const int stop = agreed_stop_signal(signals, comm);
+    const int stop = last ? 0 : agreed_stop_signal(signals, comm);  // the last step ends the run anyway
     if (!root) {
       if (checkpoint_due || stop != 0) save(step);
       if (stop != 0) {
@@ -483,11 +492,13 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
     if (checkpoint_due || stop != 0) result.checkpoint = save(step);
     if (stop != 0) {
       result.stop_signal = stop;
+      writer.wait();
       spdlog::warn("stopped by {} after step {}: checkpoint {}; continue with --resume {}", stop_signal_name(stop),
                    step, result.checkpoint, config.out);
       break;
     }
   }
+  writer.wait();
   if (root) {
     const double seconds = std::chrono::duration<double>(clock::now() - run_start).count();
     spdlog::info("{} {} steps ({} to {}) in {}, {:.0f} tokens; final loss {:.4f}, val_loss {}",

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "background_job.hpp"
 #include "checkpoint.hpp"
 #include "data.hpp"
 #include "prepare.hpp"
@@ -377,6 +379,35 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
 }
 
 // ---- a run the user can trust and drive
+
+// The checkpoint writer's contract: jobs run on another thread, one after another, and a job's error
+// comes back, once, from the next wait() or start().
+TEST(BackgroundJob, RunsJobsInOrderOnAnotherThreadAndRethrowsTheirErrors) {
+  coda::BackgroundJob job;
+  std::thread::id worker;
+  std::atomic<bool> first_done{false};
+  bool second_saw_first_done = false;
+  job.start([&] {
+    worker = std::this_thread::get_id();
+    for (int i = 0; i < 1000; ++i) std::this_thread::yield();
+    first_done = true;
+  });
+  job.start([&] { second_saw_first_done = first_done; });
+  job.wait();
+  EXPECT_NE(worker, std::this_thread::get_id());
+  EXPECT_TRUE(second_saw_first_done) << "start() waits for the job before it";
+
+  job.start([] { throw std::runtime_error("step_4: write failed: No space left on device"); });
+  try {
+    job.wait();
+    ADD_FAILURE() << "the job's error was lost";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(job.wait()) << "an error is reported once";
+  job.start([] { throw std::runtime_error("first"); });
+  EXPECT_THROW(job.start([] {}), std::runtime_error) << "start() rethrows the previous job's error";
+}
 
 TEST(TokenText, EscapesBytesThatWouldDriveTheTerminal) {
   EXPECT_EQ(coda::token_text('a', true, true), "a");
