@@ -159,13 +159,15 @@ void remove_stale_checkpoint_writes(const fs::path& out) {
   }
 }
 
-// Keeps the newest `keep` step_N checkpoints of out (by step); 0 keeps all.
-void prune_checkpoints(const fs::path& out, int keep) {
+// Keeps the newest `keep` step_N checkpoints of out up to step `written` (the one just written); 0 keeps
+// all. Later steps are left alone: they belong to an earlier attempt that ran further than the checkpoint
+// this run resumed from, and this run replaces them when it gets there.
+void prune_checkpoints(const fs::path& out, int keep, long written) {
   if (keep <= 0) return;
   std::vector<std::pair<long, fs::path>> checkpoints;
   for (const auto& entry : fs::directory_iterator(out)) {
     const long step = checkpoint_step(entry.path().filename().string());
-    if (entry.is_directory() && step >= 0) checkpoints.emplace_back(step, entry.path());
+    if (entry.is_directory() && step >= 0 && step <= written) checkpoints.emplace_back(step, entry.path());
   }
   if (checkpoints.size() <= static_cast<size_t>(keep)) return;
   std::sort(checkpoints.begin(), checkpoints.end());
@@ -414,7 +416,7 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
                   m = std::move(m), v = std::move(v)] {
       save_checkpoint(dir, model, params.data(), m.data(), v.data(), state);
       spdlog::info("checkpoint {}", dir);
-      prune_checkpoints(out, keep);
+      prune_checkpoints(out, keep, state.step);
     });
     return dir;
   };

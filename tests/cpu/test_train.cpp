@@ -515,6 +515,14 @@ TEST_F(Training, KeepsTheNewestCheckpointsAndClearsUnfinishedWrites) {
   std::ofstream(fs::path(c.out) / "step_3.tmp/model.safetensors") << "partial";
   coda::train(c);
   EXPECT_EQ(checkpoint_names(c.out), (std::vector<std::string>{"step_10", "step_8"}));
+  // Resumed from step_8 (step_10 then belongs to an attempt that ran further): pruning looks only at the
+  // checkpoints up to the one just written, so step_9 is kept and step_10 waits to be replaced.
+  coda::RunConfig resumed = c;
+  resumed.resume = fs::path(c.out) / "step_8";
+  resumed.steps = 9;
+  resumed.keep_checkpoints = 1;
+  coda::train(resumed);
+  EXPECT_EQ(checkpoint_names(c.out), (std::vector<std::string>{"step_10", "step_9"}));
   coda::RunConfig all = c;
   all.out = *root_ / "keep_all";
   all.keep_checkpoints = 0;
