@@ -481,7 +481,9 @@ void save_checkpoint(const std::string& dir, const ModelConfig& model, const flo
   }
 }
 
-ModelConfig load_model_config(const std::string& dir) { return parse_config((normalized(dir) / "config.json").string()); }
+ModelConfig load_model_config(const std::string& dir) {
+  return parse_config((normalized(dir) / "config.json").string());
+}
 
 Checkpoint load_checkpoint(const std::string& dir) {
   const fs::path path = normalized(dir);

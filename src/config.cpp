@@ -137,8 +137,8 @@ void RunConfig::validate() const {
   require(!train_data.empty(), "train_data must not be empty");
   require(batch_size >= 1, "batch_size must be >= 1");
   require(seq_len >= 1, "seq_len must be >= 1");
-  require(!own_model || seq_len <= model.max_seq_len, "seq_len (" + std::to_string(seq_len) + ") must be <= max_seq_len (" +
-                                            std::to_string(model.max_seq_len) + ")");
+  require(!own_model || seq_len <= model.max_seq_len,
+          "seq_len (" + std::to_string(seq_len) + ") must be <= max_seq_len (" + std::to_string(model.max_seq_len) + ")");
   require(grad_accum >= 1, "grad_accum must be >= 1");
   require(global_batch >= 0, "global_batch must be >= 0 (0: ranks x batch_size x grad_accum)");
   require(global_batch == 0 || grad_accum == 1,

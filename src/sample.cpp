@@ -73,7 +73,8 @@ std::vector<int32_t> prompt_tokens(const std::string& prompt, int vocab_size) {
 
 std::string token_text(int32_t token, bool bytes, bool first) {
   if (!bytes) return (first ? "" : " ") + std::to_string(token);
-  if (token == '\n' || token == '\t' || (token >= 0x20 && token < 0x7f)) return std::string(1, static_cast<char>(token));
+  if (token == '\n' || token == '\t' || (token >= 0x20 && token < 0x7f))
+    return std::string(1, static_cast<char>(token));
   char escaped[8];
   std::snprintf(escaped, sizeof escaped, "\\x%02x", static_cast<unsigned>(token) & 0xffu);
   return escaped;

@@ -51,6 +51,8 @@ StopOnSignal::~StopOnSignal() {
 
 int StopOnSignal::pending() const { return g_pending; }
 
-const char* stop_signal_name(int signal) { return signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "signal"; }
+const char* stop_signal_name(int signal) {
+  return signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "signal";
+}
 
 }  // namespace coda

@@ -289,7 +289,8 @@ std::string resolve_val_data(const std::string& val_data, const std::string& tra
   const std::string name = train.filename().string();
   const size_t at = name.find("train");
   const std::string beside =
-      at == std::string::npos ? "" : (train.parent_path() / (name.substr(0, at) + "val" + name.substr(at + 5))).string();
+      at == std::string::npos ? ""
+                              : (train.parent_path() / (name.substr(0, at) + "val" + name.substr(at + 5))).string();
   const auto matches_files = [](const std::string& pattern) {
     glob_t matches{};
     const bool found = !pattern.empty() && ::glob(pattern.c_str(), 0, nullptr, &matches) == 0 && matches.gl_pathc > 0;

@@ -559,7 +559,8 @@ TEST_F(Training, InitFromStartsAFreshRunFromAnHfModel) {
   EXPECT_FLOAT_EQ(records[0].at("lr").get<float>(), coda::lr_at(c, 0)) << "a fresh schedule";
   EXPECT_LT(records[0].at("loss").get<double>(), std::log(256.0) - 0.5) << "the trained weights were loaded";
 
-  const coda::Checkpoint source = coda::load_checkpoint(trained.checkpoint), after = coda::load_checkpoint(result.checkpoint);
+  const coda::Checkpoint source = coda::load_checkpoint(trained.checkpoint);
+  const coda::Checkpoint after = coda::load_checkpoint(result.checkpoint);
   EXPECT_EQ(after.model.arch, coda::Arch::Llama);
   EXPECT_EQ(after.model.n_layer, base.model.n_layer);
   EXPECT_EQ(after.state.step, 2);
