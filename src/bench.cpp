@@ -82,7 +82,7 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
 
   std::vector<BenchResult> results;
   // --kernels coda|unfused times that mode alone; auto times every mode of this build side by side.
-  std::vector<std::pair<std::string, std::string>> backends = available_backends();
+  std::vector<std::pair<std::string, std::string>> backends = available_backends(config.device);
   if (config.kernels != "auto") {
     backends.erase(std::remove_if(backends.begin(), backends.end(),
                                   [&](const auto& b) { return b.second != config.kernels; }),

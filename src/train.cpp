@@ -76,8 +76,8 @@ std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zer
   return make_cpu_backend(config.model, config.batch_size, config.seq_len);
 }
 
-std::vector<std::pair<std::string, std::string>> available_backends() {
-  if (!use_cuda("auto")) return {{"cpu", "auto"}};
+std::vector<std::pair<std::string, std::string>> available_backends(const std::string& device) {
+  if (!use_cuda(device)) return {{"cpu", "auto"}};
   return {{"cuda", "unfused"}, {"cuda", "coda"}};
 }
 

@@ -27,9 +27,10 @@ std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zer
 // What make_backend checks first: device = cuda needs a GPU (std::runtime_error), and kernels other
 // than auto need the cuda backend (std::invalid_argument), rather than silently running on the CPU.
 void require_device_available(const RunConfig& config);
-// (device, kernels) of every backend this build and machine can run, in the order `coda bench` times
-// them (the unfused mode first, so the bench's "vs first" column is coda's speedup).
-std::vector<std::pair<std::string, std::string>> available_backends();
+// (device, kernels) of every backend this build and machine can run on `device` (auto: the GPU when
+// there is one), in the order `coda bench` times them (the unfused mode first, so the bench's "vs first"
+// column is coda's speedup).
+std::vector<std::pair<std::string, std::string>> available_backends(const std::string& device = "auto");
 // Peak dense FLOP/s of the device a backend (by its name()) runs on, for MFU; 0 when unknown.
 double peak_flops(const std::string& backend_name);
 

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <string>
 #include <sys/wait.h>
+#include <vector>
 
 #include "config.hpp"
 #include "kernels/cuda_check.cuh"
@@ -300,6 +301,23 @@ TEST(Config, ConfigurationErrorsExitWithTwoAndRuntimeFailuresWithOne) {
   EXPECT_EQ(run_coda("train --train_data /nonexistent/train_*.bin --val_data ''" + out).exit_code, 1)
       << "missing data is a failure while running";
   EXPECT_EQ(run_coda("eval --checkpoint " + (dir / "run")).exit_code, 1) << "missing checkpoint";
+}
+
+// The CPU measures neither MFU nor phase times nor device memory: its row says '-' there, not 0.00.
+TEST(Config, BenchTableMarksFiguresTheCpuDoesNotMeasure) {
+  const CommandResult result = run_coda("bench --device cpu --steps 1 --warmup 0 --seq_len 16 --batch_size 2");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  std::istringstream lines(result.output);
+  std::vector<std::string> row;
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("cpu ", 0) == 0) {
+      std::istringstream words(line);
+      for (std::string word; words >> word;) row.push_back(word);
+    }
+  ASSERT_EQ(row.size(), 10u) << result.output;
+  for (size_t column = 4; column <= 8; ++column)
+    EXPECT_EQ(row[column], "-") << "column " << column << ": " << result.output;
+  EXPECT_NE(row[1], "-") << "the step time is measured";
 }
 
 TEST(Config, BenchOnCudaWithoutAGpuFailsInsteadOfTimingTheCpu) {

@@ -366,7 +366,8 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
   coda::RunConfig c = tiny(coda::Arch::Llama, "bench");
   c.grad_accum = 2;
   const std::vector<coda::BenchResult> results = coda::bench(c, 3, 1);
-  ASSERT_EQ(results.size(), coda::available_backends().size());
+  ASSERT_EQ(results.size(), coda::available_backends(c.device).size());
+  EXPECT_EQ(results.front().backend, "cpu") << "--device cpu times the CPU alone, GPU or not";
   for (const auto& r : results) {
     EXPECT_GT(r.median_ms, 0.0);
     EXPECT_NEAR(r.tokens_per_s * r.median_ms / 1000.0, 2.0 * 8 * 16, 1e-6 * r.tokens_per_s);
