@@ -76,10 +76,10 @@ struct Frag {
   // the host leaves it 0.
   int group = 0;
   // GPU: the fragment's 64-row block and N tile lie wholly inside the M x N accumulator, and before the
-  // program's column ends (Program::acc_column_end: the LM head's vocabulary bound). The GEMM
-  // instantiates its chunk body twice, for such interior tiles (a constant true: every row and column
-  // mask below folds away, ~5 instructions per value of a reduction-heavy program) and for the edge
-  // tiles; the host leaves it false, so host evaluations always run the masks.
+  // program's column ends (Program::acc_column_end: the LM head's vocabulary bound). For programs that
+  // batch column groups the GEMM instantiates its chunk body twice, for such interior tiles (a constant
+  // true: every row and column mask below folds away and the batched paths apply) and for the edge tiles
+  // (gemm_kernel.cuh, kInteriorBody); the host leaves it false, so host evaluations always run the masks.
   bool interior = false;
   // GPU: the 8-column accumulator groups of a staged chunk (a constant of the chunk body: 8 for bf16
   // outputs of 2 -> 2 programs), so chunk c's group g starts at column n0 + 8 (c chunk_groups + g); a

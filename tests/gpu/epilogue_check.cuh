@@ -1,4 +1,4 @@
-// Harness of the epilogue-primitive GPU tests (tests/gpu_epilogue*.cu): a program runs INSIDE gemm_run on
+// Harness of the epilogue-primitive GPU tests (tests/gpu/gpu_epilogue_*.cu): a program runs INSIDE gemm_run on
 // random data, and the same program is evaluated on the host (evaluate_on_host, the same hooks) over the
 // fp32 accumulators of a reference GEMM (tests/gemm_reference.cuh). Every array a program reads or
 // writes exists twice (Mirrored: host and device), so one factory `make(on_device)` builds both
