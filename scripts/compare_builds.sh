@@ -5,7 +5,7 @@
 #   programs  bench_programs of both models: each CODA program's GEMM kernel, time (us) and energy (mJ)
 #   gemm      bench_gemm --quick: every model GEMM on the automatic tile, as a ratio to cuBLASLt
 #   step      coda bench of gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048), both modes in one
-#             process: ms and joules per step
+#             process: ms and joules per step (30 timed steps: the energy counter needs a few seconds)
 # Two rounds per build, then one table of every run (the last lines of the output).
 #
 #   scripts/compare_builds.sh DIR_A DIR_B    directories that hold the binaries of each build
@@ -49,7 +49,7 @@ for round in 1 2; do
       for m in "${models[@]}"; do
         read -r name batch seq <<<"$m"
         echo "== coda bench $name, build $side, run $round"
-        "$dir/coda" bench --config "configs/$name.toml" --batch_size "$batch" --seq_len "$seq" --warmup 3 --steps 10 \
+        "$dir/coda" bench --config "configs/$name.toml" --batch_size "$batch" --seq_len "$seq" --warmup 3 --steps 30 \
           >"$logs/step_${name}_$side$round.log" 2>&1 || status=1
       done
     fi
@@ -62,15 +62,15 @@ echo "A = $1, B = $2"
 echo "| what | A run 1 | B run 1 | A run 2 | B run 2 |"
 echo "|---|---|---|---|---|"
 table() {  # an awk program printing "name<TAB>value" lines of one log, then the four logs (A1 B1 A2 B2)
-  local program=$1
+  local program=$1 i=0 log
   shift
-  awk -F'\t' '
-    FNR == 1 { file++ }
-    { if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } v[$1, file] = $2 }
+  for log in "$@"; do
+    i=$((i + 1))
+    awk -F'|' -v OFS='\t' "$program" "$log" | sed "s/^/$i\t/"
+  done | awk -F'\t' '
+    { if (!($2 in seen)) { seen[$2] = 1; order[++n] = $2 } v[$2, $1] = $3 }
     END { for (i = 1; i <= n; i++) printf "| %s | %s | %s | %s | %s |\n", order[i], v[order[i], 1], v[order[i], 2],
-                                               v[order[i], 3], v[order[i], 4] }' \
-    <(awk -F'|' -v OFS='\t' "$program" "$1") <(awk -F'|' -v OFS='\t' "$program" "$2") \
-    <(awk -F'|' -v OFS='\t' "$program" "$3") <(awk -F'|' -v OFS='\t' "$program" "$4")
+                                               v[order[i], 3], v[order[i], 4] }'
 }
 logs4() { echo "$logs/$1_a1.log" "$logs/$1_b1.log" "$logs/$1_a2.log" "$logs/$1_b2.log"; }
 if [[ $parts == *programs* ]]; then

@@ -50,7 +50,7 @@ fi
 
 bench() {  # name config B T
   echo "== coda bench $1 (B=$3, T=$4)"
-  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 20 \
+  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 \
     --json "$logs/bench_$1.json" >"$logs/bench_$1.log" 2>&1 || status=1
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \

@@ -121,13 +121,17 @@ void run_both_bf16(const P& p, GemmTile tile, Output mode, Make&& make) {
 // The same for every output mode; fp32 output: tolerance fp32_tolerance, set by the program's
 // approximate functions.
 template <class P, class Make>
-void run_both(const P& p, GemmTile tile, Output mode, Make&& make, double fp32_tolerance) {
-  if (mode != Output::Fp32) return run_both_bf16(p, tile, mode, make);
+void run_both_fp32(const P& p, GemmTile tile, Make&& make, double fp32_tolerance) {
   const std::vector<float> want = evaluate(p, tile, make);
   DeviceBuffer<float> D(want.size());
   D.poison();
   p.launch(tile, D.get(), false, make(true));
   EXPECT_LT(rel_error(D.download(), want), fp32_tolerance) << "main output";
+}
+template <class P, class Make>
+void run_both(const P& p, GemmTile tile, Output mode, Make&& make, double fp32_tolerance) {
+  if (mode != Output::Fp32) return run_both_bf16(p, tile, mode, make);
+  run_both_fp32(p, tile, make, fp32_tolerance);
 }
 
 // The trace line of one case.

@@ -1,17 +1,13 @@
 // Epilogue programs inside the hand-written GEMM against their host evaluation (kernels/epilogue/epilogue.cuh)
 // of the reference accumulators (tests/gemm_reference.cuh): norm scale, bias, aux store, GELU and row sums;
-// RoPE at both head sizes; the LM head's target pick and log-sum-exp with SwiGLU. Every compiled tile;
+// the LM head's target pick and log-sum-exp with SwiGLU (RoPE: gpu_gemm_rope.cu). Every compiled tile;
 // outputs poisoned with NaN first, so an unwritten element fails.
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <string>
 #include <vector>
 
-#include "kernels/gemm/gemm_instance.cuh"
-#include "src/rng.hpp"
-#include "tests/gemm_reference.cuh"
-#include "tests/gpu_test_util.cuh"
+#include "tests/gpu/forward_problem.cuh"
 
 namespace {
 
@@ -21,26 +17,8 @@ using coda::test::rel_error;
 using coda::testing::fill_uniform;
 using coda::testing::reference_gemm;
 
-// Reference accumulators of a forward GEMM on random data, on the host.
-struct ForwardProblem {
-  int M, N, K;
-  DeviceBuffer<__nv_bfloat16> X, W;
-  std::vector<float> acc;
-  ForwardProblem(int m, int n, int k) : M(m), N(n), K(k), X(size_t(m) * k), W(size_t(n) * k) {
-    fill_uniform(X.get(), X.size(), 101);
-    fill_uniform(W.get(), W.size(), 202);
-    DeviceBuffer<float> ref(size_t(m) * n);
-    reference_gemm(GemmLayout::Forward, ref.get(), X.get(), W.get(), m, n, k);
-    acc = ref.download();
-  }
-};
-
-std::vector<float> random_host(size_t n, float lo, float hi, unsigned seed) {
-  Rng rng(seed);
-  std::vector<float> v(n);
-  for (float& x : v) x = lo + (hi - lo) * static_cast<float>(rng.uniform());
-  return v;
-}
+using coda::test::ForwardProblem;
+using coda::test::random_host;
 
 TEST(GpuGemm, NormGeluProgramMatchesHostEvaluation) {
   SKIP_WITHOUT_GPU();
@@ -70,41 +48,6 @@ TEST(GpuGemm, NormGeluProgramMatchesHostEvaluation) {
     EXPECT_LT(rel_error(pre.download(), want_pre), 1e-2);
     EXPECT_LT(rel_error(partials.download(), want_partials), 1e-4);
   }
-}
-
-// Head dim 64: (sin, cos) cached per tile on the GPU (a 64-column chunk is one head); 128: per fragment.
-template <int kHeadDim>
-void expect_rope_program_matches_host_evaluation() {
-  // Two sequences of 2048 tokens (angles up to 2047 rad), q and k heads in the first 512 columns.
-  ForwardProblem prob(4096, 768, 512);
-  const int M = prob.M, N = prob.N;
-  const auto r = random_host(M, 0.5f, 2.0f, 3);
-  DeviceBuffer<float> r_d(r);
-  using namespace coda::epi;
-  const Rope<kHeadDim> rope{2048, 512, 13.287712f};
-  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program)) {
-    SCOPED_TRACE(std::string(gemm_tile_name(tile)) + ", head_dim " + std::to_string(kHeadDim));
-    const int tiles_n = (N + gemm_tile_n(tile) - 1) / gemm_tile_n(tile);
-    DeviceBuffer<__nv_bfloat16> out(size_t(M) * N);
-    DeviceBuffer<float> sumsq(size_t(M) * tiles_n);
-    out.poison(), sumsq.poison();
-    gemm_run<GemmLayout::Forward>(tile, out.get(), prob.X.get(), prob.W.get(), M, N, prob.K, false,
-                                  make_program(RowBroadcast<Mul>(r_d.get()), Pairwise<Rope<kHeadDim>>(rope),
-                                               RowReduce<SumSquares>(sumsq.get())),
-                                  nullptr);
-    std::vector<float> want_out(size_t(M) * N), want_sumsq(size_t(M) * tiles_n);
-    evaluate_on_host(make_program(RowBroadcast<Mul>(r.data()), Pairwise<Rope<kHeadDim>>(rope),
-                                  RowReduce<SumSquares>(want_sumsq.data())),
-                     prob.acc.data(), M, N, gemm_tile_n(tile), want_out.data());
-    EXPECT_LT(rel_error(out.download(), want_out), 1e-2);
-    EXPECT_LT(rel_error(sumsq.download(), want_sumsq), 1e-4);
-  }
-}
-
-TEST(GpuGemm, RopeProgramMatchesHostEvaluation) {
-  SKIP_WITHOUT_GPU();
-  expect_rope_program_matches_host_evaluation<64>();
-  expect_rope_program_matches_host_evaluation<128>();
 }
 
 TEST(GpuGemm, LogitsLseAndSwiGluProgramMatchesHostEvaluation) {
