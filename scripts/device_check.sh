@@ -3,8 +3,9 @@
 # every GEMM tile on), run the GPU tests (also under mpirun -np 1 for the communicator and ZeRO-1),
 # `coda bench` of both modes on gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048) with time and
 # energy per step, the per-kernel GPU-time profile of each mode (CODA_PROFILE=1; the unfused profile's
-# fusion bound: the most any fusion can speed the step up at these GEMM and attention speeds), and a
-# ZeRO-1 training run against the plain one; then print a summary table (the last lines of the output).
+# fusion bound: the most any fusion can speed the step up at these GEMM and attention speeds), a ZeRO-1
+# training run against the plain one, and `coda train` of gpt2-124m against its `coda bench` step; then
+# print a summary table (the last lines of the output).
 #
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
@@ -68,6 +69,18 @@ for mode in plain zero1; do
   mpirun -np 1 "$bin/coda" train --config configs/tiny-gpt2.toml --device cuda --steps 40 \
     --train_data "$data/synthetic/train_*.bin" --val_data "$data/synthetic/val_*.bin" $flag --out "$data/$mode" >"$logs/train_$mode.log" 2>&1 || status=1
 done
+echo "== coda train against coda bench (gpt2-124m, B=32, T=1024, 40 steps on the synthetic corpus)"
+"$bin/coda" train --config configs/gpt2-124m.toml --device cuda --steps 40 --log_every 10 --val_every 0 \
+  --train_data "$data/synthetic/train_*.bin" --val_data "$data/synthetic/val_*.bin" --out "$data/train_gpt2" \
+  >"$logs/train_gpt2.log" 2>&1 || status=1
+train_vs_bench=$(python3 - "$data/train_gpt2/metrics.jsonl" "$logs/bench_gpt2-124m.json" <<'PY' 2>/dev/null || echo "no result"
+import json, statistics, sys
+ms = [r["ms"] for r in map(json.loads, open(sys.argv[1])) if "ms" in r][5:]
+bench = {r["backend"]: r["median_ms"] for r in json.load(open(sys.argv[2]))}["cuda-coda"]
+train = statistics.median(ms)
+print(f"train {train:.2f} ms/step (median of steps 6-40), bench {bench:.2f}: train / bench {train / bench:.3f}")
+PY
+)
 zero1_same=$(python3 - "$data" <<'PY' 2>/dev/null || echo "no result"
 import json, sys
 records = [[json.loads(l) for l in open(f"{sys.argv[1]}/{m}/metrics.jsonl")] for m in ("plain", "zero1")]
@@ -84,6 +97,7 @@ printf '%-28s %s passed, %s failed, %s skipped\n' "GPU tests" "$(count '^\[     
 printf '%-28s %s passed, %s failed\n' "GPU tests, mpirun -np 1" "$(count '^\[       OK \]' "$logs/gpu_tests_mpi.log")" \
   "$(count '^\[  FAILED  \].*ms)' "$logs/gpu_tests_mpi.log")"
 printf '%-28s %s\n' "ZeRO-1 vs plain (tiny-gpt2)" "$zero1_same"
+printf '%-28s %s\n' "coda train vs bench, gpt2" "$train_vs_bench"
 for name in gpt2-124m llama3.2-1b; do  # the unfused profile's share of epilogue operations, and the bound
   bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
   printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"
