@@ -1,5 +1,4 @@
 // Thread-block clusters for deterministic reductions split over several blocks (Hopper, sm_90).
-//
 // Some kernels split one reduction over several blocks to have enough blocks in flight: dlogits splits
 // each row over column slices (its row dots), the column-partial kernels split each column over slices
 // of the row groups (kernels/coda), the unfused column sum of a narrow matrix splits each column over
@@ -9,6 +8,7 @@
 // each leaves its partial in its own shared memory, and after a cluster barrier the block that owns a
 // result reads the cluster's partials through distributed shared memory in rank order: the result
 // depends on the launch shape only, so it is bitwise reproducible.
+
 #pragma once
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>

@@ -2,16 +2,9 @@
 // attention, the unfused kernels, cuBLASLt's GEMMs), aggregated by label and printed as a table when the
 // process exits (sorted by total time). Each timed launch is bracketed by two CUDA events on its stream, so
 // the numbers are device time, with the launches still asynchronous; the events cost ~2 us per launch, so
-// use it to find where the time goes, not for the headline step time.
-// Without the variable a region costs one cached getenv check.
-//
-// Each region says what kind of work it is, and the table ends with the time per kind. In the unfused mode
-// that answers how much any fusion can buy at these GEMM and attention speeds: the kernels of kind
-// Epilogue (norms, activations, bias and residual adds, RoPE, bias gradients, the loss's forward pass) are
-// what a CODA program moves into a GEMM epilogue, so a step whose epilogues cost nothing and whose GEMMs
-// and attention ran as fast as these would take (total - epilogue work) of GPU time; the table prints
-// total / (total - epilogue work), the most fusion can speed this step up (generous, if anything: the
-// events' ~2 us per launch weigh most on the short epilogue kernels).
+// use it to find where the time goes, not for the headline step time. Without the variable a region costs
+// one cached getenv check. The table ends with the time per kind of work and the fusion bound (above Work).
+
 #pragma once
 #include <cuda_runtime.h>
 
@@ -25,6 +18,12 @@ bool enabled();
 // holds only the timed steps and not the first launches (module loading, cuBLASLt's plans).
 void set_recording(bool on);
 
+// In the unfused mode the time per kind answers how much any fusion can buy at these GEMM and attention
+// speeds: the kernels of kind Epilogue (norms, activations, bias and residual adds, RoPE, bias gradients, the
+// loss's forward pass) are what a CODA program moves into a GEMM epilogue, so a step whose epilogues cost
+// nothing and whose GEMMs and attention ran as fast as these would take (total - epilogue work) of GPU time;
+// the table prints total / (total - epilogue work), the most fusion can speed this step up (generous, if
+// anything: the events' ~2 us per launch weigh most on the short epilogue kernels).
 // What a kernel's time is spent on.
 enum class Work {
   Gemm,       // a matrix product: cuBLASLt's, or the CODA GEMM with its epilogue program

@@ -1,20 +1,11 @@
-// Kernel launches with programmatic dependent launch (PDL) and, optionally, thread-block clusters
-// (Hopper, sm_90).
-//
-// In a stream, a kernel normally starts only after the previous kernel's grid has finished and been torn
-// down, and its own blocks are then distributed: a fixed cost per launch, even for an empty grid, that is a
-// large share of a short memory-bound kernel. A kernel launched with PDL may be
-// scheduled while the previous one still runs: as soon as every block of the previous grid has called
-// allow_next_kernel() (or exited), the new grid's blocks take the multiprocessors' free slots and park in
-// griddepcontrol.wait, which returns once the previous grid has COMPLETED and its memory is visible. So
-// the data order is exactly the stream's; only the launch and the block distribution overlap.
-//
-// The contract of a kernel launched through launch_kernel with `after_previous` set: it calls
-// start_after_previous_kernel() before its first global memory access (read or write). That also keeps
-// the order transitive: a grid cannot complete before its blocks have waited for the grid before it. A
-// kernel that does not follow the contract must be launched without it (a plain <<<>>> launch, cuBLASLt,
-// a memcpy: the stream order is then the usual one). Calling start_after_previous_kernel() in a kernel
-// launched without PDL is harmless (the wait returns at once).
+// Kernel launches with programmatic dependent launch (PDL) and, optionally, thread-block clusters (sm_90).
+// A stream normally starts a kernel only after the previous grid has finished and been torn down: a fixed
+// cost per launch that is a large share of a short memory-bound kernel. With PDL the next grid's blocks are
+// scheduled early and park in griddepcontrol.wait until the previous grid has COMPLETED and its memory is
+// visible, so the data order is exactly the stream's; only the launch and the block distribution overlap.
+// Contract: a kernel launched with `after_previous` calls start_after_previous_kernel() before its first
+// global memory access. Details: above start_after_previous_kernel() below.
+
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,6 +15,13 @@
 
 namespace coda {
 
+// A grid may be scheduled as soon as every block of the previous grid has called allow_next_kernel() (or
+// exited); its blocks then take the multiprocessors' free slots and wait here. Calling this before the first
+// global memory access (read or write) also keeps the order transitive: a grid cannot complete before its
+// blocks have waited for the grid before it. A kernel that does not follow the contract must be launched
+// without PDL (a plain <<<>>> launch, cuBLASLt, a memcpy: the stream order is then the usual one). Calling
+// it in a kernel launched without PDL is harmless (the wait returns at once).
+//
 // Waits until the previous kernel of the stream has completed and its writes are visible, then lets the
 // next kernel's blocks be scheduled (allowing it after the wait, not before, keeps at most one grid
 // parked behind the running one).

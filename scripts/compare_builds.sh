@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
-# Two builds of the trainer timed against each other on the GPU machine, alternated run by run (A B A B)
-# so that both see the same card state: single `coda bench` runs of one binary spread by 2-5 ms, and the
-# card's clock moves with its power draw. Parts (COMPARE_PARTS, default all three):
-#   programs  bench_programs of both models: each CODA program's GEMM kernel, time (us) and energy (mJ)
-#   gemm      bench_gemm --quick: every model GEMM on the automatic tile, as a ratio to cuBLASLt
-#   step      coda bench of gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048), both modes in one
-#             process: ms and joules per step (30 timed steps: the energy counter needs a few seconds)
-# Two rounds per build, then one table of every run (the last lines of the output).
-#
+# Two builds of the trainer timed against each other on the GPU machine, alternated run by run (A B A B) so
+# that both see the same card state (single runs spread by 2-5 ms; the clock follows the power draw); two
+# rounds per build, then one table of every run. Parts: programs (bench_programs, us and mJ per program),
+# gemm (bench_gemm --quick, ratio to cuBLASLt), step (coda bench of gpt2-124m and llama3.2-1b, both modes:
+# ms and joules over 30 timed steps, as the energy counter needs a few seconds).
 #   scripts/compare_builds.sh DIR_A DIR_B    directories that hold the binaries of each build
-#   COMPARE_PARTS="programs step"            the parts to run
+#   COMPARE_PARTS="programs step"            the parts to run (default all three)
 #   COMPARE_RUNS=N                           bench_programs timed runs per program (default 15)
 # Logs go to $OUT when it is set, else to compare_logs/. Exits non-zero if any run failed.
 set -uo pipefail

@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
-# every GEMM tile on), run the GPU tests (also under mpirun -np 1 for the communicator and ZeRO-1),
-# `coda bench` of both modes on gpt2-124m (B=32, T=1024) and llama3.2-1b (B=8, T=2048) with time and
-# energy per step, the per-kernel GPU-time profile of each mode (CODA_PROFILE=1; the unfused profile's
-# fusion bound: the most any fusion can speed the step up at these GEMM and attention speeds), a ZeRO-1
-# training run against the plain one, and `coda train` of gpt2-124m against its `coda bench` step; then
-# print a summary table (the last lines of the output).
-#
+# every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
+# profile (with the fusion bound) of both modes on gpt2-124m and llama3.2-1b, a ZeRO-1 run against the plain
+# one, and `coda train` of gpt2-124m against its bench step; then a summary table (the last output lines).
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and fused-kernel benchmarks

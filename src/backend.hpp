@@ -3,9 +3,9 @@
 // device, and runs the pieces of a training step. The CPU reference backend is the spec; the GPU
 // backends (unfused: cuBLASLt + one kernel per operation; coda: GEMM-epilogue programs) must match it
 // within bf16 tolerances.
-//
 // All host-side buffers exchanged here are flat fp32 arrays in ParamLayout order (model.hpp), so the
 // checkpoint code and the tests never see a backend's internal precision or placement.
+
 #pragma once
 #include <cstdint>
 #include <memory>

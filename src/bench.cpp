@@ -1,23 +1,11 @@
 // `coda bench`: wall-clock time of whole training steps (grad_accum forward+backward micro-batches,
 // gradient norm, AdamW) of every backend this build and machine can run, on random tokens of the
-// configured shape. The first `warmup` steps are not timed; the median of the timed ones is reported
-// (robust to the odd slow step on a shared machine). Each timed step ends with one more grad_norm call,
-// whose value comes back to the host, so the time includes the AdamW update that a GPU backend queued.
-// MFU = flops_per_token * tokens/s / the device's peak (model.hpp counts the FLOPs). A backend that times
-// its phases on the device (Backend::last_phase_times) also gets the median forward, backward (summed
-// over the micro-batches) and optimizer times of the timed steps. Under CODA_PROFILE=1 only the timed steps'
-// launches are profiled (kernels/kernel_profile.cuh).
-//
-// Under a launcher (mpirun -np N) every rank runs the same loop on its own random tokens, with the
-// gradient average armed before the last micro-batch exactly as train() does, so the step time includes
-// the part of the communication that the backward does not hide; tokens/s counts the job, tokens/s per
-// GPU and MFU one GPU. Scaling = tokens/s per GPU at N ranks over the figure of a one-GPU run.
-// time_gradient_all_reduce gives the communication's whole cost for comparison: an all-reduce of the
-// gradient's size with nothing to overlap.
-//
-// Energy (energy.hpp): on a GPU whose NVML energy counter can be read, the joules of the timed steps on
-// this rank's GPU, their mean power and SM clock, and tokens per joule. At the power cap a step's time
-// follows its energy, so these are what a change to the kernels is judged by.
+// configured shape: the median of the timed steps after `warmup` untimed ones, with MFU, per-phase device
+// times where the backend records them, and energy (energy.hpp): at the power cap a step's time follows its
+// energy, so joules per step are what a change to the kernels is judged by. Under a launcher every rank runs
+// the same loop, so the step time includes the communication the backward does not hide.
+// Details: above bench() below.
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -63,6 +51,18 @@ double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats) {
   return median(ms);
 }
 
+// Each timed step ends with one more grad_norm call, whose value comes back to the host, so the time
+// includes the AdamW update that a GPU backend queued. The median is robust to the odd slow step on a
+// shared machine. MFU = flops_per_token * tokens/s / the device's peak (model.hpp counts the FLOPs). A
+// backend that times its phases on the device (Backend::last_phase_times) also gets the median forward,
+// backward (summed over the micro-batches) and optimizer times. Under CODA_PROFILE=1 only the timed steps'
+// launches are profiled (kernels/kernel_profile.cuh).
+// Under a launcher (mpirun -np N) every rank runs on its own random tokens, with the gradient average armed
+// before the last micro-batch exactly as train() does; tokens/s counts the job, tokens/s per GPU and MFU one
+// GPU. Scaling = tokens/s per GPU at N ranks over the figure of a one-GPU run. time_gradient_all_reduce gives
+// the communication's whole cost for comparison: an all-reduce of the gradient's size with nothing to overlap.
+// Energy: on a GPU whose NVML energy counter can be read, the joules of the timed steps on this rank's GPU,
+// their mean power and SM clock, and tokens per joule.
 std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm) {
   if (steps < 1) throw std::invalid_argument("steps must be >= 1");
   if (warmup < 0) throw std::invalid_argument("warmup must be >= 0");

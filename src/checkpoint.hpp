@@ -6,6 +6,7 @@
 //   optimizer.safetensors  fp32 master weights and AdamW moments in the trainer's flat layout
 // It is written atomically: everything goes to DIR.tmp, then DIR.tmp is renamed to DIR (an older DIR is
 // replaced only after the new one is complete).
+
 #pragma once
 #include <array>
 #include <cstdint>

@@ -1,32 +1,11 @@
 // The GPT-2 CODA mode: every LayerNorm, bias, GELU, residual add and the loss of a GPT-2 model run in the
-// epilogues of its GEMMs (kernels/coda/gpt2_programs.cuh, docs/CODA.md), next to the attention kernels
-// and the passes of kernels/coda/fused.cuh. Buffers as in coda_backend.hpp.
-//
-// Forward, once: the weight-derived vectors c = W gamma, b' = W beta + bias of each LayerNormed linear
-// layer (QKV, fc, the LM head) from the bf16 weights; the embedding writes layer 0's h, O1 = h (.) gamma1
-// and the partials of h and h^2. Layer l (N rows, C = d_model, Q = qkv_dim, F = d_ff):
-//   QKV       qkv = r (O1 Wqkv^T) - (r mu) c + b'                                  ln_linear_program
-//   attention
-//   out-proj  h2 = attn Wo^T + bias + h  (aux mid), O2 = h2 (.) gamma2 (norm2), partials of h2, h2^2
-//   fc        pre = LN(h2) Wfc^T + bias (aux up), act = gelu(pre)                   fc_program
-//   proj      h' = act Wproj^T + bias + h2 (aux: next input), O' = h' (.) gamma' (next norm1 or normf)
-// Head: logits = LN(h) Wte^T with the target logit and the log-sum-exp partials (CodaBackend finishes
-// the loss from them).
-//
-// Backward (scaled-gradient convention of fused.cuh; d_residual = gradient of the residual stream):
-//   head      fused::dlogits -> dlogits' = r dz with the row dots of the final norm; d_residual = 0, then
-//             the LayerNorm-backward dgrad (dlogits' Wte) adds the final norm's dh and stores u / r over
-//             normf; wgrad += dlogits'^T (u / r) (no bias, so dlogits takes no column sums).
-//   proj      dgrad d_act = dz' of the fc output (GELU backward, row dots, col_b: proj_dgrad_program);
-//             wgrad += d_residual^T act; its bias gradient: the column sums that the LayerNorm backward
-//             above it left (ln_cols_.residual)
-//   fc        dgrad: LayerNorm backward of norm2 into d_residual (+ its column sums: the out-proj bias),
-//             u / r over O2; wgrad += dz'^T (u / r), fc bias from col_b
-//   out-proj  plain dgrad into d_attn, wgrad, bias from the column sums just written
-//   attention backward with the LayerNorm write-out: d_qkv = r dz, row dots, col_b
-//   QKV       dgrad: LayerNorm backward of norm1 into d_residual (+ column sums: the proj bias of the layer
-//             below), u / r over O1; wgrad += d_qkv^T (u / r), qkv bias from col_b
-// Every piece finishes its own layer's gradients, so the data-parallel bucket overlap of CudaBackend holds.
+// epilogues of its GEMMs (kernels/coda/gpt2_programs.cuh), next to the attention kernels and the passes of
+// kernels/coda/fused.cuh. Buffers as in coda_backend.hpp. LayerNorm is reparameterized through the weight
+// vectors c = W gamma, b' = W beta + bias; gradients travel scaled (dz' = r dz) and the weight gradients of
+// normed layers read u / r, which the LayerNorm-backward dgrad stores. Every piece finishes its own layer's
+// gradients, so the data-parallel bucket overlap of CudaBackend holds.
+// Details: docs/CODA.md, "GPT-2"; the program of each GEMM above the forward and the backward below.
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -118,6 +97,16 @@ void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
 
 // ---- forward ----
 
+// Forward, once: the weight-derived vectors c = W gamma, b' = W beta + bias of each LayerNormed linear
+// layer (QKV, fc, the LM head) from the bf16 weights; the embedding writes layer 0's h, O1 = h (.) gamma1
+// and the partials of h and h^2. Layer l (N rows, C = d_model, Q = qkv_dim, F = d_ff):
+//   QKV       qkv = r (O1 Wqkv^T) - (r mu) c + b'                                  ln_linear_program
+//   attention
+//   out-proj  h2 = attn Wo^T + bias + h  (aux mid), O2 = h2 (.) gamma2 (norm2), partials of h2, h2^2
+//   fc        pre = LN(h2) Wfc^T + bias (aux up), act = gelu(pre)                   fc_program
+//   proj      h' = act Wproj^T + bias + h2 (aux: next input), O' = h' (.) gamma' (next norm1 or normf)
+// Head: logits = LN(h) Wte^T with the target logit and the log-sum-exp partials (CodaBackend finishes
+// the loss from them).
 void CodaGpt2Backend::weight_vectors() {
   const int C = config_.d_model;
   for (int l = 0; l < config_.n_layer; ++l) {
@@ -184,6 +173,19 @@ void CodaGpt2Backend::head_forward(int B, int T) {
 
 // ---- backward ----
 
+// Backward (scaled-gradient convention of fused.cuh; d_residual = gradient of the residual stream):
+//   head      fused::dlogits -> dlogits' = r dz with the row dots of the final norm; d_residual = 0, then
+//             the LayerNorm-backward dgrad (dlogits' Wte) adds the final norm's dh and stores u / r over
+//             normf; wgrad += dlogits'^T (u / r) (no bias, so dlogits takes no column sums).
+//   proj      dgrad d_act = dz' of the fc output (GELU backward, row dots, col_b: proj_dgrad_program);
+//             wgrad += d_residual^T act; its bias gradient: the column sums that the LayerNorm backward
+//             above it left (ln_cols_.residual)
+//   fc        dgrad: LayerNorm backward of norm2 into d_residual (+ its column sums: the out-proj bias),
+//             u / r over O2; wgrad += dz'^T (u / r), fc bias from col_b
+//   out-proj  plain dgrad into d_attn, wgrad, bias from the column sums just written
+//   attention backward with the LayerNorm write-out: d_qkv = r dz, row dots, col_b
+//   QKV       dgrad: LayerNorm backward of norm1 into d_residual (+ column sums: the proj bias of the layer
+//             below), u / r over O1; wgrad += d_qkv^T (u / r), qkv bias from col_b
 void CodaGpt2Backend::ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats,
                                   const prog::LnDots& dots, const bf16* h, size_t norm_w, size_t norm_b,
                                   size_t residual_bias, int N, bf16* norm_out_over_rstd) {

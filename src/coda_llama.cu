@@ -1,27 +1,10 @@
 // The Llama CODA mode: every RMSNorm, RoPE, SwiGLU, residual add and the loss of a Llama model run in the
-// epilogues of its GEMMs (kernels/coda/llama_programs.cuh, docs/CODA.md), next to the attention kernels
-// and the passes of kernels/coda/fused.cuh. Buffers as in coda_backend.hpp; N = B*T rows, C = d_model,
-// Q = qkv_dim, F = d_ff, Vp = padded vocabulary.
-//
-// Forward of layer l (h = input, its norm1 statistics and O1 = h (.) gamma1 already written by the
-// embedding or the previous layer's down projection):
-//   QKV       qkv = rope(r1 (O1 Wqkv^T))                                           -> attention
-//   out-proj  h2 = attn Wo^T + h: aux h2 (mid), h2^2 partials (norm2), main O2 = h2 (.) gamma2
-//   gate/up   (g, u) = r2 (O2 Wgu^T): aux gu (up), main act = silu(g) u
-//   down      h' = act Wdown^T + h2: aux h' (next input), h'^2 partials, main O' = h' (.) gamma' (gamma of
-//             the next layer's norm1, or of the final norm after the last layer)
-// Head: logits = rf (Of Wv^T), the target logit and log-sum-exp partials over the columns < vocab.
-//
-// Backward (scaled-gradient convention, fused.cuh): d_residual holds the gradient of the stream above.
-//   head      dlogits' = rf dz in place, with <dz, logits>; dgrad d_residual = norm backward (written
-//             fresh); wgrad += dlogits'^T Of; final-norm gamma from column partials
-//   down      dgrad d_up = rf2 (SwiGLU backward of d_residual Wdown) with <dz, (g, u)>; wgrad += d_res^T act
-//   gate/up   dgrad d_residual += norm2 backward of d_up' Wgu; wgrad += d_up'^T O2; gamma2
-//   out-proj  plain dgrad d_attn = d_residual Wo; wgrad += d_residual^T attn
-//   attention backward with the write-out: inverse RoPE, <dz, qkv>, d_qkv' = r1 dz
-//   QKV       dgrad d_residual += norm1 backward of d_qkv' Wqkv; wgrad += d_qkv'^T O1; gamma1
-// Six program types, each one GEMM kernel instantiation (per tile): qkv, residual (out-proj and down),
-// gate/up, LM head, norm backward (head, gate/up and QKV dgrads), SwiGLU backward.
+// epilogues of its GEMMs (kernels/coda/llama_programs.cuh), next to the attention kernels and the passes of
+// kernels/coda/fused.cuh. Buffers as in coda_backend.hpp. Six program types, each one GEMM kernel
+// instantiation per tile: qkv, residual (out-proj and down), gate/up, LM head, norm backward (head, gate/up
+// and QKV dgrads), SwiGLU backward. Gradients travel scaled (dz' = r dz, fused.cuh).
+// Details: docs/CODA.md, "Llama"; the program of each GEMM above block_forward and block_backward below.
+
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -80,6 +63,15 @@ void CodaLlamaBackend::plan_buffers(ArenaPlan& plan) {
                                       config_.d_model, group);
 }
 
+// Forward of layer l (N = B*T rows, C = d_model, Q = qkv_dim, F = d_ff, Vp = padded vocabulary; h = input,
+// its norm1 statistics and O1 = h (.) gamma1 already written by the embedding or the previous layer's down
+// projection):
+//   QKV       qkv = rope(r1 (O1 Wqkv^T))                                           -> attention
+//   out-proj  h2 = attn Wo^T + h: aux h2 (mid), h2^2 partials (norm2), main O2 = h2 (.) gamma2
+//   gate/up   (g, u) = r2 (O2 Wgu^T): aux gu (up), main act = silu(g) u
+//   down      h' = act Wdown^T + h2: aux h' (next input), h'^2 partials, main O' = h' (.) gamma' (gamma of
+//             the next layer's norm1, or of the final norm after the last layer)
+// Head: logits = rf (Of Wv^T), the target logit and log-sum-exp partials over the columns < vocab.
 void CodaLlamaBackend::block_forward(int layer, int B, int T) {
   const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
   LayerActivations& a = acts_.layers[layer];
@@ -134,6 +126,14 @@ void CodaLlamaBackend::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int 
   fused::add_column_partials({{grad(gamma), dgamma_partials_}}, prog::column_partial_groups(N), C, C, 1.0f, stream_);
 }
 
+// Backward (scaled-gradient convention, fused.cuh): d_residual holds the gradient of the stream above.
+//   head      dlogits' = rf dz in place, with <dz, logits>; dgrad d_residual = norm backward (written
+//             fresh); wgrad += dlogits'^T Of; final-norm gamma from column partials
+//   down      dgrad d_up = rf2 (SwiGLU backward of d_residual Wdown) with <dz, (g, u)>; wgrad += d_res^T act
+//   gate/up   dgrad d_residual += norm2 backward of d_up' Wgu; wgrad += d_up'^T O2; gamma2
+//   out-proj  plain dgrad d_attn = d_residual Wo; wgrad += d_residual^T attn
+//   attention backward with the write-out: inverse RoPE, <dz, qkv>, d_qkv' = r1 dz
+//   QKV       dgrad d_residual += norm1 backward of d_qkv' Wqkv; wgrad += d_qkv'^T O1; gamma1
 void CodaLlamaBackend::head_backward(int B, int T, float dloss) {
   const int N = B * T, C = config_.d_model, Vp = config_.padded_vocab();
   fused::dlogits(dlogits_args(N, dloss, dot_z_), stream_);

@@ -1,15 +1,14 @@
 // Run configuration: one list of keys (add_config_options) serves the command line, --help, config files
 // and config_to_toml, so a key cannot exist in one place and be missing in another.
-//
 // Config files are read with CLI11's TOML reader but NOT through App::set_config: CLI11 2.1 cannot attach
 // a config file to a subcommand, and we want our own errors anyway. A file becomes a list of command-line
 // tokens "--key" "value" (two tokens, so that an empty value stays a value), checked key by key: the key
 // must be one of ours and sit in its own section ([model], [data], [optim], [run]) or at the top level.
-// Then two parses, each on a freshly built App:
-//   phase 1: the file's tokens alone on the plain key set, so a bad value is reported as "config FILE: ...";
-//   phase 2: the file's tokens followed by the real command line on the command's own App.
-// Every option keeps its last value (TakeLast), so the command line wins. Only then is the result
+// Then two parses, each on a fresh App: phase 1, the file's tokens alone on the plain key set (a bad value is
+// reported as "config FILE: ..."); phase 2, the file's tokens and then the real command line on the command's
+// own App. Every option keeps its last value (TakeLast), so the command line wins. Only then is the result
 // validated, so a config that a command-line flag repairs is accepted.
+
 #include "config.hpp"
 
 #include <charconv>

@@ -4,11 +4,11 @@
 // order, activations saved per layer, scratch), so a run that does not fit fails at start with the numbers.
 // The step is split into overridable pieces (embedding, block forward, head, their backwards); the CODA
 // mode derives from this class and overrides the pieces it fuses (docs/ARCHITECTURE.md).
-// Data parallelism: in the backward that reduces, each gradient bucket's all-reduce starts on the
-// communicator's stream as soon as its piece is enqueued (an event), while the layers below continue.
-// ZeRO-1 keeps master weights and moments for this rank's shard only, reduces buckets to their owners and
-// all-gathers the bf16 shards after AdamW; every host wait goes through the communicator's watchdog
-// (docs/DISTRIBUTED.md).
+// Data parallelism (docs/DISTRIBUTED.md): in the backward that reduces, each gradient bucket's all-reduce
+// starts on the communicator's stream as soon as its piece is enqueued (an event), while the layers below
+// continue; ZeRO-1 keeps master weights and moments for this rank's shard only, reduces buckets to their
+// owners and all-gathers the bf16 shards after AdamW; every host wait goes through the communicator's watchdog.
+
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -1,14 +1,13 @@
 // Token data: the llm.c shard format and the rank-aware loader.
-//
 // Shard format (llm.c / nanoGPT-style scripts): a 1024-byte header of 256 int32 values
 //   header[0] = magic, header[1] = version, header[2] = number of tokens,
 // followed by the tokens: magic 20240520 / version 1 stores uint16 tokens, magic 20240801 / version 7
 // stores uint32 tokens (for vocabularies over 65535).
-//
 // The loader cuts every shard into non-overlapping windows of T+1 tokens at stride T (inputs are the
 // first T, targets the last T). A global batch is world_size * B windows; rank r takes its B windows
 // from the global batch's slice r, so ranks never share a window. Training order is shuffled from the
 // seed (shard order and window order, re-drawn every epoch); validation is sequential.
+
 #pragma once
 #include <cstdint>
 #include <memory>

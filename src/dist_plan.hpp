@@ -1,14 +1,14 @@
-// The arithmetic of data parallelism, as pure functions (no MPI, NCCL or CUDA), so it is tested on the CPU.
-// docs/DISTRIBUTED.md describes what it serves; in short:
+// The arithmetic of data parallelism, as pure functions (no MPI, NCCL or CUDA), so it is tested on the CPU
+// (what it serves: docs/DISTRIBUTED.md):
 //  * gradient buckets: head and final norm, layers L-1 .. 0, embeddings (last: a tied wte also gets the
 //    embedding backward's gradient), each one contiguous range of the flat buffer (model.hpp orders layers
 //    contiguously), so a bucket's reduction can start as soon as its backward is enqueued;
 //  * the ZeRO-1 partition: equal shards of shard_size = ceil(total / world) rounded up to kParamAlign
 //    (NCCL's collectives exchange equal counts; padded_total = world * shard_size), the tensor pieces of
 //    each shard (for AdamW's decay mask), a bucket's owners, the checkpoint chunks (shard_chunks);
-//  * the batch plan: the global batch is world * B * grad_accum, gradients are averaged over ranks;
-//  * the data position when the global batch changes (continued_position): no window read twice, fewer
-//    than one batch skipped; and the job's throughput and MFU.
+//  * the batch plan (global batch world * B * grad_accum, gradients averaged over ranks), the data position
+//    when it changes (continued_position: no window read twice, fewer than one batch skipped), throughput, MFU.
+
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -8,6 +8,7 @@
 // Faults: communicators are non-blocking; every host wait polls ncclCommGetAsyncError and aborts the
 // communicator on an error or after CODA_NCCL_TIMEOUT_S, then abort_job() exits non-zero (MPI_Abort when
 // MPI is up). NCCL_NVLS_ENABLE is set to 0 unless the user set it.
+
 #pragma once
 #include <cuda_runtime.h>
 #include <nccl.h>

@@ -3,10 +3,10 @@
 // 700 W x its time, and its energy is the objective that time follows. NVML's total-energy counter
 // (millijoules since the driver loaded) gives the joules of the interval exactly; the SM clock is sampled
 // every 10 ms by a thread beside it.
-//
 // NVML comes with the driver, not with the toolkit, so it is opened at run time (dlopen of
 // libnvidia-ml.so.1) and its few entry points are declared here: the same binary runs on a machine
 // without a driver or GPU, where no meter is made.
+
 #pragma once
 #include <atomic>
 #include <memory>

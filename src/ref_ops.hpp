@@ -1,17 +1,12 @@
 // The fp32 CPU reference of every operation: the executable spec that every GPU kernel (unfused and
-// CODA) is tested against. Plain loops, written to be read.
-//
-// Conventions for every function here:
+// CODA) is tested against. Plain loops, written to be read. Conventions for every function here:
 //  * row-major; N = B*T rows (tokens), C = d_model; a linear layer is y = x W^T (+ b), W is [OC, IC];
 //  * backward functions ADD into their gradient outputs (dx, dw, db, ...): callers zero them first.
 //    This one rule gives gradient accumulation, residual-gradient sums and tied weights for free;
-//  * nullable bias / gradient pointers mean "absent";
-//  * the packed qkv layout (model.hpp): each token row holds [q heads | k heads | v heads], head h of q
-//    at column h*hd, k-head g at (n_head + g)*hd, v-head g at (n_head + n_kv_head + g)*hd; query head h
-//    uses kv head h / (n_head / n_kv_head);
-//  * attention is causal with scale 1/sqrt(hd); lse[b, h, t] is the natural-log sum-exp of the scaled
-//    scores of query t (saved for backward, as FlashAttention does);
+//  * nullable bias / gradient pointers mean "absent"; qkv is the packed layout of model.hpp;
 //  * cross-entropy runs over the first V (real) columns of the Vp (padded) logits.
+// Attention's layout and lse: above attention_forward below.
+
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -53,6 +48,10 @@ void rope_forward(float* qkv, int B, int T, int n_head, int n_kv_head, int hd, f
 // In place: the inverse rotation, which is the backward of the forward (rotations are orthogonal).
 void rope_backward(float* dqkv, int B, int T, int n_head, int n_kv_head, int hd, float theta);
 
+// Packed qkv: each token row holds [q heads | k heads | v heads], head h of q at column h*hd, k-head g at
+// (n_head + g)*hd, v-head g at (n_head + n_kv_head + g)*hd; query head h uses kv head h / (n_head / n_kv_head).
+// Attention is causal with scale 1/sqrt(hd); lse[b, h, t] is the natural-log sum-exp of the scaled scores
+// of query t (saved for backward, as FlashAttention does).
 // out [B*T, n_head*hd]; lse [B, n_head, T].
 void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int n_head, int n_kv_head, int hd);
 // dqkv += gradient through causal attention (dq, dk, dv in the packed layout).

@@ -1,15 +1,9 @@
-// The safetensors file format (Hugging Face), just what checkpoints need.
-//
-// Layout of a file:
-//   8 bytes   N, the header length, unsigned little-endian
-//   N bytes   a JSON object: for each tensor  "name": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}
-//             and optionally "__metadata__": {string: string}; padded with spaces so data starts 8-aligned
-//   the data  each tensor's bytes, row-major little-endian, at [b, e) relative to the start of the data
-// A valid file's tensors tile the data exactly: sorted by offset, each begins where the previous one ends
-// and the last ends at the end of the file; e - b equals the dtype size times the product of the shape.
-// The reader checks all of this when it opens a file and names the file and the tensor in every error.
-// We write only F32; we read F32, BF16 and F16, converting to fp32 (bf16 is the top half of an fp32;
-// f16 is widened exactly, subnormals, infinities and NaN included). Host byte order is little-endian.
+// The safetensors file format (Hugging Face), just what checkpoints need: an 8-byte little-endian header
+// length N, N bytes of JSON ("name": {"dtype", "shape", "data_offsets": [b, e]}, optional "__metadata__"),
+// then the data. We write only F32; we read F32, BF16 and F16, converting to fp32. The reader checks the
+// whole layout when it opens a file and names the file and the tensor in every error.
+// Details: above SafetensorsFile below.
+
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -31,6 +25,15 @@ struct SafetensorsOutput {
 void write_safetensors(const std::string& path, const std::vector<SafetensorsOutput>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// Layout of a file:
+//   8 bytes   N, the header length, unsigned little-endian
+//   N bytes   a JSON object: for each tensor  "name": {"dtype": "F32", "shape": [..], "data_offsets": [b, e]}
+//             and optionally "__metadata__": {string: string}; padded with spaces so data starts 8-aligned
+//   the data  each tensor's bytes, row-major little-endian, at [b, e) relative to the start of the data
+// A valid file's tensors tile the data exactly: sorted by offset, each begins where the previous one ends
+// and the last ends at the end of the file; e - b equals the dtype size times the product of the shape.
+// bf16 is the top half of an fp32; f16 is widened exactly, subnormals, infinities and NaN included. Host
+// byte order is little-endian.
 class SafetensorsFile {
  public:
   struct Entry {

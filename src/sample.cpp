@@ -1,15 +1,14 @@
 // `coda sample`: autoregressive generation from a checkpoint.
-//
 // Each new token comes from the logits at the last position of the context (its last max_seq_len
 // tokens; the whole window is recomputed every time, which is plain and fast enough for a reference).
 // Temperature 0 takes the most likely token; otherwise the top_k most likely tokens (all when top_k is
 // 0) are weighted by exp((logit - max) / temperature) and one is drawn with the seeded Rng, so a seed
 // reproduces a sample.
-//
 // Output: a byte model's tokens are bytes, but a raw control byte (ESC, a carriage return, a bell)
 // would drive the terminal rather than show; printable ASCII, newline and tab are written as they are
 // and every other byte as \xNN. The same generation serves training's sample_every, on the training
 // backend.
+
 #include <spdlog/spdlog.h>
 
 #include <algorithm>

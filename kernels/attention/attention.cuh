@@ -1,6 +1,5 @@
 // Causal multi-head attention with grouped-query heads, bf16 in and out, fp32 softmax statistics.
 // The contract shared by the unfused and the CODA modes (the implementation lives beside this file).
-//
 // Layouts (see src/model.hpp, "packed qkv"):
 //   qkv  [B*T, (n_head + 2*n_kv_head) * head_dim]: per token [q heads | k heads | v heads];
 //        query head h reads kv head h / (n_head / n_kv_head).
@@ -9,6 +8,7 @@
 //   dqkv [B*T, qkv_dim]: gradient in the packed layout, fully WRITTEN by the backward (dk, dv summed over
 //        the query heads of each group).
 // The fp32 CPU reference of the same math is coda::ref::attention_forward / attention_backward.
+
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

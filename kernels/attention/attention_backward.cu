@@ -1,15 +1,14 @@
 // Backward of causal grouped-query attention for Hopper (sm_90a), FlashAttention-3 shaped: TMA loads,
 // wgmma products, a producer warpgroup and two consumer warpgroups. Contract and layouts: attention.cuh;
-// the design, with its reasons, is docs/ATTENTION.md ("Backward", "The CODA write-out").
-//  1. Prologue: D = rowsum(dO * O) and lse * log2 e per (b, h, t) into [B, n_head, T_pad] (rows past T:
-//     D = 0, lse = +inf, so their P is 0), and the clearing of the fp32 dQ accumulator.
-//  2. Main kernel: one block = one kv head x 128 keys; transposed products (S^T = K Q^T, dP^T = V dO^T) so
-//     that dK and dV are register accumulators summed over the group's query heads without atomics; dS^T
-//     goes through a double-buffered shared tile, and dQ = dS K is split between the two consumers in
-//     64 x 64 units, staged in shared memory and added by TMA reduce-add.
-//  3. dQ conversion to bf16, or with a write-out the CODA pass that finishes the q columns of dqkv (the
-//     main kernel finishes the k and v columns on the dK, dV it holds: finish_kv_rows).
+// the design, with its reasons: docs/ATTENTION.md ("Backward", "The CODA write-out"). Three kernels:
+//  1. prologue: D = rowsum(dO * O) and lse * log2 e per (b, h, t) into [B, n_head, T_pad] (rows past T: D = 0,
+//     lse = +inf, so their P is 0), and the clearing of the fp32 dQ accumulator;
+//  2. main: one block = one kv head x 128 keys; transposed products (S^T = K Q^T, dP^T = V dO^T), so dK and dV
+//     are register accumulators summed over the group's query heads without atomics; dS^T goes through a
+//     double-buffered shared tile; dQ = dS K in 64 x 64 units per consumer, staged, added by TMA reduce-add;
+//  3. dQ to bf16, or the CODA write-out of dqkv's q columns (the main kernel finishes k and v: finish_kv_rows).
 // Tails: TMA zero-fills rows past T of a sequence ([B][T][cols] maps) and clips the dQ reduce-adds at T.
+
 #include "kernels/attention/attention.cuh"
 #include "kernels/attention/attention_device.cuh"
 

@@ -4,11 +4,11 @@
 // from the LM head's log-sum-exp partials), dlogits (softmax - onehot with the final norm's row dots),
 // ln_weight_vectors (LayerNorm's c = W gamma, b' = W beta + bias, once per step), add_column_partials.
 // Scaled-gradient convention: the gradient dz of a GEMM that follows a norm travels as dz' = r dz, so the
-// weight gradient is a plain GEMM (RMSNorm: dz'^T O; LayerNorm: dz'^T (u / r), with u / r stored by the
-// dgrad, which holds h and the row statistics) and the dgrad accumulator is D' = dz' W = r du. Row dots
-// for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are taken on the UNSCALED dz.
-// Partials follow epilogue.cuh: row partials [N, count], column partials [groups, ld] (fp32).
-// Every function enqueues on `stream` and checks its launch.
+// weight gradient is a plain GEMM (RMSNorm: dz'^T O; LayerNorm: dz'^T (u / r), stored by the dgrad) and the
+// dgrad accumulator is D' = dz' W = r du; row dots for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are
+// taken on the UNSCALED dz. Partials follow epilogue.cuh: row partials [N, count], column partials
+// [groups, ld] (fp32). Every function enqueues on `stream` and checks its launch.
+
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -2,13 +2,13 @@
 // epilogue's ColDot, the attention write-out) into parameter gradients:
 //   add_column_partials   grad[j] += scale * sum_g partials[g, j]  (norm gammas and betas, biases), for up
 //                         to three (grad, partials) pairs of the same shape in one launch.
-//
 // A block owns a tile of 32 columns (8 threads of one 16-byte load each per partial row, so a warp reads
 // four 128-byte rows) and 32 partial rows at a time. The partial rows may be many (a GEMM's 16-row
 // groups: N / 16, e.g. 2048) over few columns (d_model), so one block per tile would leave most of the
 // GPU idle: the groups are split over the blocks of a thread-block cluster (up to 8, about 256 groups
 // each), each block sums its share into shared memory in a fixed order, and the totals are the sum of the
 // cluster's shares in rank order (kernels/cluster.cuh). Deterministic, no atomics, no workspace.
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>

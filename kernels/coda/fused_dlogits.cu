@@ -1,14 +1,14 @@
 // The LM head's backward over the logits: dz = dloss (softmax - onehot), written back as dz' = r dz with
 // the row dots of the final norm's backward, in one read and one write of the [N, Vp] logits (the largest
-// tensor of a step: this pass must stream at memory bandwidth). Two shapes over the same packet math:
-// RMSNorm (<dz, z> only): one block per row, kRowPackets loads in flight per thread, the dot summed over
-// the block in a fixed order (count 1). LayerNorm (also <dz, c>, <dz, b'>): a block owns kGroupRows rows
-// and a column slice and walks its rows, each thread keeping its packets' entries of c and b' in registers
-// (they would otherwise be re-read for every row); the slices of a row group form a thread-block cluster
-// and each row's dots are summed over the slices in rank order through distributed shared memory
-// (kernels/cluster.cuh): complete, deterministic, no atomics. The next row's packets load before the
-// current one is processed; logits are streamed (evict-first). The slice count trades passes over the rows
-// against waves of blocks (dlogits_slices); two packets per thread keep two blocks per SM.
+// tensor of a step: this pass must stream at memory bandwidth); logits are streamed (evict-first) and the
+// next row's packets load before the current one is processed. RMSNorm (<dz, z> only): one block per row,
+// kRowPackets loads in flight per thread, the dot summed over the block in a fixed order (count 1).
+// LayerNorm (also <dz, c>, <dz, b'>): a block owns kGroupRows rows and a column slice, its threads keeping
+// their packets' entries of c and b' in registers across the rows; the slices of a row group form a cluster
+// and each row's dots are summed over them in rank order through distributed shared memory (cluster.cuh):
+// deterministic, no atomics. The slice count trades passes over the rows against waves of blocks
+// (dlogits_slices); two packets per thread keep two blocks per SM.
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>

@@ -1,6 +1,5 @@
 // The fused kernels that work one row at a time: the embedding (layer 0's input and its norm partials),
 // the loss from the LM head's log-sum-exp partials, and LayerNorm's weight-derived vectors.
-//
 // embedding_forward and ln_weight_vectors give each row one warp: lane l walks the row's 16-byte packets
 // l, l + 32, ... with four packets' loads issued together, and the row's sums meet with warp shuffles, so
 // each value is read once and no shared memory or second pass is needed. The embedding rounds
@@ -9,6 +8,7 @@
 // sum = sum_j h, sumsq = sum_j h^2 (row partials with count 1).
 // ln_weight_vectors reads each row of W once for both dot products (c = W gamma, b' = W beta + bias).
 // loss_from_partials is one warp per row over the row's (max, sum) partials (one per LM-head N tile).
+
 #include <stdexcept>
 #include <string>
 

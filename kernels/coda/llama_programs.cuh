@@ -1,18 +1,13 @@
-// The CODA programs of a Llama block (RMSNorm, RoPE, SwiGLU), each the epilogue of one GEMM.
-// Notation (docs/CODA.md): residual stream h [M, d]; RMSNorm u = (h r) (.) gamma with
-// r = 1 / sqrt(mean(h^2) + eps) per row; next GEMM z = u W^T. Reparameterized forward:
-//   z = diag(r) ((h (.) gamma) W^T) = diag(r) (O W^T),   O = h (.) gamma,
-// so the GEMM that produces h writes O as its main output (the next GEMM's input) and the row partials
-// of h^2 (NormPartials); the next GEMM's epilogue finishes them into r as its rows begin (RmsRstd).
-// Backward, in the scaled-gradient convention of fused.cuh: the gradient of a normed GEMM is handed on
-// as dz' = r dz, so its dgrad accumulator is D' = dz' W = r du, and
-//   dh = D' (.) gamma - k h,   k = r^2 <dz, z> / d,   dgamma = sum over rows of D' (.) h,
-// where <dz, z> = <du, u> is taken on the UNSCALED dz as row partials by whoever produces dz (the SwiGLU
-// backward here, the dlogits pass, the attention backward's write-out) and finished by RmsBackwardCoef.
-// The program type each function returns (named below it) is the one the GEMM kernel is compiled for
-// (CMakeLists.txt, CODA_GEMM_PROGRAMS).
-// Parameter vectors (gamma) are the bf16 weight copy; aux outputs are bf16 (what the trainer keeps);
-// main outputs are the GEMM's store (bf16, plain or accumulate).
+// The CODA programs of a Llama block (RMSNorm, RoPE, SwiGLU), each the epilogue of one GEMM. RMSNorm
+// u = (h r) (.) gamma, r = 1 / sqrt(mean(h^2) + eps), is reparameterized: z = u W^T = diag(r) (O W^T) with
+// O = h (.) gamma, so the GEMM that produces h writes O and the row partials of h^2 (NormPartials), and the
+// next GEMM's epilogue finishes r as its rows begin (RmsRstd). Backward in the scaled form of fused.cuh
+// (dz' = r dz): dh = D' (.) gamma - k h, k = r^2 <dz, z> / d, <dz, z> taken on the UNSCALED dz as row
+// partials by whoever produces dz. The program type each function returns (named below it) is the one the
+// GEMM kernel is compiled for (CMakeLists.txt, CODA_GEMM_PROGRAMS). Parameter vectors (gamma) are the bf16
+// weight copy; aux outputs are bf16; main outputs are the GEMM's store (bf16, plain or accumulate).
+// Details: docs/CODA.md, "Llama".
+
 #pragma once
 #include "kernels/coda/norm_stats.cuh"
 

@@ -1,38 +1,13 @@
 // CODA epilogue primitives: the vocabulary in which every non-attention operation of the trainer is
 // written, as a short program that runs on a GEMM output tile while it is still in registers.
-//
-// The unit of work is a Frag: two horizontally adjacent accumulator values (columns col, col+1) of one
-// output row, exactly what one thread holds per register pair after wgmma. A primitive is a small object
-// with three hooks:
-//   begin_rows(ctx)        once per (row block, N tile): load per-row data, reset per-row state;
-//   visit(frag, ctx)       once per Frag of those rows, in column order: transform the values;
-//   end_rows(ctx, lanes)   after the last Frag: finish per-row reductions and write partials.
-// A Program<P1, P2, ...> calls the hooks of its primitives in list order, so a program reads like the
-// math: Program<RowBroadcast<Mul>, ColBroadcast<Add>, Elementwise<Gelu>> is gelu(r_i * acc_ij + b_j).
-// A RowStage at the head of a program has a fourth hook, stage_rows: it finishes row values that several
-// later primitives read (e.g. LayerNorm statistics) once per row, into the context they get.
-// After the program, the GEMM stores the frag values as the main output (plain or accumulate-store).
-//
-// Rows per thread: on the GPU a thread owns two rows of each 64-row block (ctx.rows[0..1], "slots"); on
-// the host one row at a time (one slot). Per-row state is therefore kept per slot. Lanes abstracts the
-// threads that share a row: on the GPU the 4 lanes of a quad, combined with shuffles; on the host there
-// is nothing to combine. This is the ONLY difference between the two evaluations: every hook below is
-// __host__ __device__, so tests/test_epilogue.cpp checks the same code that runs in the GEMM.
-//
-// Conventions: accumulator columns are the GEMM's N columns; a 2->1 pairwise map halves the output width
-// (frag.stride becomes 2), a 1->2 map (SwiGluBackward) doubles it (frag.expand becomes 2): output column
-// = col * expand / stride (out_col). N is even, so a frag is valid iff col < N.
-// Row partial reductions are written per (row, N tile) to a buffer [M, tiles_n] (row-major, fp32);
-// column partial reductions per (16-row group, output column) to a buffer [ceil(M / 16), ld]. Whoever
-// consumes them finishes them (sum of partials, or merge_lse for log-sum-exp). No global atomics.
-//
-// Tile inputs (an extra bf16 matrix laid out like the output: residual stream, saved pre-activations,
-// the saved SwiGLU pairs) are numbered: TileOf<k>, TileLoad<Op, k> and SwiGluBackward<T, k> read tile
-// input k (0 unless a program reads two different matrices). The host reads them from the arrays; on
-// the GPU the GEMM brings the chunk that the epilogue is about to visit (64 rows x one staging chunk of
-// output columns) into shared memory with TMA, issued before the tile's mainloop so that it lands under
-// the MMAs, and the primitives read it there (load_tile). Program::collect_tiles names the matrices to
-// the launch, which builds their tensor maps (gemm_launch.cuh).
+// A primitive has three hooks, begin_rows (per row block and N tile), visit (per Frag, in column order) and
+// end_rows (per-row reductions, partials written); Program<P1, P2, ...> calls them in list order, so a program
+// reads like the math: Program<RowBroadcast<Mul>, ColBroadcast<Add>, Elementwise<Gelu>> is gelu(r_i acc_ij + b_j).
+// Every hook is __host__ __device__ and differs between the two evaluations only in its Lanes (a quad's
+// shuffles on the GPU, nothing on the host), so tests/cpu/test_epilogue.cpp checks the code the GEMM runs.
+// Reductions are per-tile partials, finished by their consumer: no global atomics.
+// Details: docs/GEMM.md, "Epilogue primitives" and "Tile inputs through TMA"; the conventions beside Frag below.
+
 #pragma once
 #include <cuda_bf16.h>
 
@@ -62,6 +37,12 @@ namespace coda::epi {
 #define CODA_UNROLL
 #endif
 
+// The unit of work: two horizontally adjacent accumulator values (columns col, col+1) of one output row,
+// what one thread holds per register pair after wgmma. Accumulator columns are the GEMM's N columns; a 2->1
+// pairwise map halves the output width (stride 2), a 1->2 map (SwiGluBackward) doubles it (expand 2):
+// output column = col * expand / stride (out_col). N is even, so a frag is valid iff col < N.
+// Row partials are written per (row, N tile) to [M, tiles_n] (row-major, fp32); column partials per (16-row
+// group, output column) to [ceil(M / 16), ld]; the consumer sums them (or merges them: merge_lse).
 struct Frag {
   static constexpr int kMaxWidth = 4;
   int slot;    // which of the thread's rows (0 or 1)
@@ -119,6 +100,10 @@ constexpr int kBatchGroups = 4;
 CODA_HD int group_in_batch(const Frag& f) { return f.group % kBatchGroups; }
 CODA_HD bool ends_batch(const Frag& f) { return group_in_batch(f) == kBatchGroups - 1; }
 
+// Rows per thread: on the GPU a thread owns two rows of each 64-row block (rows[0..1], "slots"), on the host
+// one row at a time (one slot), so per-row state is kept per slot. A RowStage at the head of a program has a
+// fourth hook, stage_rows: it finishes row values that several later primitives read (e.g. LayerNorm
+// statistics) once per row, into the context they get.
 struct RowCtx {
   static constexpr int kMaxSlots = 2;
   int rows[kMaxSlots];  // global rows of the slots
@@ -289,6 +274,11 @@ CODA_HD void store_values(T* p, int n, const float* x) {
 constexpr int kMaxTileInputs = 2;
 constexpr int kTileChunkBytes = 64 * 128;  // one staged chunk of a tile input (64 rows x 128 bytes at most)
 
+// Tile inputs: extra bf16 matrices laid out like the output (residual stream, saved pre-activations, the saved
+// SwiGLU pairs), numbered k = 0, 1 (TileOf<k>, TileLoad<Op, k>, SwiGluBackward<T, k>). The host reads the
+// arrays; on the GPU the GEMM brings each chunk into shared memory by TMA before the epilogue visits it and
+// the primitives read it there (load_tile). Program::collect_tiles names the matrices to the launch, which
+// builds their tensor maps (gemm_launch.cuh).
 // A tile input as the launch sees it: the matrix and its row stride (elements).
 struct TileSource {
   const __nv_bfloat16* src = nullptr;

@@ -1,15 +1,14 @@
-// cuBLASLt GEMMs in the trainer's row-major conventions: the GEMMs of the unfused mode and the
-// competitor every hand-written GEMM is benchmarked against.
-//
-// D[M, N] = op(A) op(B) (+ D when accumulating), all row-major, bf16 operands, fp32 accumulation,
-// D in bf16 or fp32. op(A) is [M, K]: A is stored [M, K] (Op::N) or [K, M] (Op::T); op(B) is [K, N]:
-// B is stored [K, N] (Op::N) or [N, K] (Op::T). The three GEMMs of a linear layer y = x W^T:
+// cuBLASLt GEMMs in the trainer's row-major conventions: the GEMMs of the unfused mode and the competitor every
+// hand-written GEMM is benchmarked against (no epilogue fusion: that is what the CODA kernels are compared to).
+// D[M, N] = op(A) op(B) (+ D when accumulating), all row-major, bf16 operands, fp32 accumulation, D in bf16 or
+// fp32. op(A) is [M, K]: A is stored [M, K] (Op::N) or [K, M] (Op::T); op(B) is [K, N]: B is stored [K, N]
+// (Op::N) or [N, K] (Op::T). The three GEMMs of a linear layer y = x W^T:
 //   forward  Y  = X W^T      gemm(Y,  X, N,  W, T)
 //   dgrad    dX = dY W       gemm(dX, dY, N, W, N)
 //   wgrad    dW += dY^T X    gemm(dW, dY, T, X, N, accumulate)
-// cuBLAS is column-major, so the row-major product is computed as its transpose D^T = op(B)^T op(A)^T
-// with the operands swapped. No epilogue fusion: that is what the CODA kernels are compared against.
-// Algorithms come from cuBLASLt's heuristic once per shape and are cached; the workspace is 32 MiB.
+// cuBLAS is column-major, so the row-major product is computed as D^T = op(B)^T op(A)^T with the operands
+// swapped. Algorithms come from cuBLASLt's heuristic once per shape and are cached; the workspace is 32 MiB.
+
 #pragma once
 #include <cublasLt.h>
 #include <cuda_bf16.h>

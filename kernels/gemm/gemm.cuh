@@ -6,9 +6,9 @@
 // Every matrix is dense row-major (leading dimension = its column count). Requirements (TMA): row
 // strides multiples of 16 bytes, i.e. K, and the columns of W (dgrad) or of dY and X (wgrad), multiples
 // of 8; N a multiple of 8; pointers 16-byte aligned. Any M, N, K tails beyond that are handled.
-//
 // gemm_run() (gemm_launch.cuh) is the same GEMM with an epilogue program; the functions here are the
 // identity program. A GemmTile may be forced (benchmarks, tests); Auto picks per shape.
+
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

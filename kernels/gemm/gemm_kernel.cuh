@@ -1,52 +1,13 @@
 // The CODA GEMM mainloop (sm_90a): D[M, N] = A B with bf16 operands, fp32 accumulation, and an epilogue
 // program (kernels/epilogue/epilogue.cuh) applied to the accumulators before they are stored.
-//
-// Structure (one CTA per SM, persistent, 384 threads = 3 warpgroups):
-//  * warpgroup 0 is the PRODUCER: it gives registers back (setmaxnreg 40) and one thread streams
-//    BM x 64 tiles of A and BN x 64 tiles of B with TMA into a ring of shared-memory stages. Stage s
-//    has two mbarriers: full[s] (TMA bytes landed) and empty[s] (the consumers' MMAs finished with it).
-//  * warpgroups 1 and 2 are CONSUMERS (setmaxnreg 232): wgmma straight from the swizzled stages, one
-//    wgmma group kept in flight, a stage released as soon as the MMAs that read it are complete.
-//      cooperative: both consumers work on every tile, each on 64 of its 128 rows (m64nBNk16);
-//      ping-pong:   consumer w takes every other tile, all its rows (128 x 128: two m64 sub-blocks;
-//                   64 x 256: one, the same accumulators and epilogue as a cooperative consumer's
-//                   half tile), so one consumer's epilogue runs while the other one keeps the tensor
-//                   cores busy. The two mainloops take turns through a pair of "turn" mbarriers: a
-//                   consumer starts waiting on its stages only after the other has waited on all of
-//                   its own. This is required, not just tidy: a parity wait can only tell the current
-//                   phase from the one before, so a consumer that skipped ahead by a whole tile would
-//                   see a stage "full" one phase early (measured: hangs and faults without the turn
-//                   barriers).
-//  * epilogue: the program visits the accumulator fragments chunk by chunk (64 rows x 128 bytes of
-//    output), each chunk is written to a 128B-swizzled staging buffer (two per consumer, so the TMA
-//    store of one overlaps the filling of the other), fenced for the async proxy, and stored by TMA
-//    (or reduce-added into D when accumulating). TMA clips rows >= M and columns >= N, and zero-fills
-//    out-of-range loads, so tails need no special code.
-//  * tile inputs of the program (epilogue.cuh: an extra bf16 matrix read at the output's positions):
-//    each chunk's 64 rows x (the chunk's output columns) of every input come into shared memory by TMA,
-//    swizzled like the staging buffer, into a small ring per consumer (2 chunk buffers, 1 where 2 would
-//    leave fewer than 3 stages; the ring of stages gives up what they need). Thread 0 of the consumer
-//    issues the tile's first chunks before its mainloop (they land under the MMAs) and each further one
-//    as soon as the chunk that last used its buffer is visited; each buffer has its own mbarrier. An
-//    input may be the output itself (d_residual, added to and stored in place): a chunk's input has
-//    landed before its store is issued, and no other chunk covers it. A single bf16 input beside a bf16
-//    output whose buffers would cost a stage comes into the output's staging buffers instead
-//    (Config::kInputInStaging): the tile's first two chunks after its first k-block's MMAs, each further
-//    one halfway through the chunk before it, once the store that last read its buffer is done.
-//  * schedule: work units are (tile, k range); CTA c takes units c, c + grid, ... Tiles come in grouped
-//    order (group_m tile rows sweep across N, so the CTAs in flight share A and B tiles in L2). Split-K
-//    (weight gradients: fp32 output, identity program, few output tiles over a long K): the units are
-//    ordered split-major, so the CTAs in flight all read the SAME k range of different tiles and the
-//    operands are fetched from HBM about once; partial tiles are summed by TMA reduce-adds. (A first
-//    version gave each CTA one contiguous range of tiles x k-blocks, "stream-K": perfectly balanced,
-//    but concurrent CTAs then read unrelated tiles and the weight gradients ran at 0.6-0.8x cuBLAS.)
-//  * launched with PDL (kernels/launch.cuh): the CTAs' setup (tensor-map prefetch, barrier init) runs as
-//    the previous kernel drains; no global memory is touched before griddepcontrol.wait.
-//
-// Layout of A and B in shared memory: TMA boxes with 128-byte inner rows, 128B swizzle.
-//  * K-major operand (forward X and W, dgrad dY): one box {64 k, rows}: row r at r*128 B.
-//  * MN-major operand (dgrad W, wgrad dY and X): boxes {64 m|n, 64 k}, one per 64 columns, 8 KiB apart;
-//    wgmma reads them transposed (imm-trans = 1).
+// One persistent CTA per SM, 384 threads: warpgroup 0 is the producer (one thread streams A and B tiles by TMA
+// into a ring of stages with full/empty mbarriers), warpgroups 1 and 2 the consumers (wgmma from the swizzled
+// stages, then the epilogue chunk by chunk through swizzled staging buffers and TMA stores). Cooperative: both
+// consumers on every tile; ping-pong: alternate tiles, so one consumer's epilogue runs under the other's MMAs.
+// Work units (tile, k range) in grouped tile order; weight gradients split K, split-major, summed by TMA
+// reduce-add. TMA zero-fills and clips the tails. Launched with PDL (kernels/launch.cuh).
+// Details: docs/GEMM.md, "Design" (tiles, schedule, epilogue, tile inputs) and "Why it is built this way".
+
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -61,6 +22,10 @@
 
 namespace coda::gemm_detail {
 
+// Layout of A and B in shared memory: TMA boxes with 128-byte inner rows, 128B swizzle.
+//  * K-major operand (forward X and W, dgrad dY): one box {64 k, rows}: row r at r*128 B.
+//  * MN-major operand (dgrad W, wgrad dY and X): boxes {64 m|n, 64 k}, one per 64 columns, 8 KiB apart;
+//    wgmma reads them transposed (imm-trans = 1).
 template <int kBM_, int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_,
           int kColumnBytes_>
 struct Config {

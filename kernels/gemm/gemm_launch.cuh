@@ -1,16 +1,11 @@
 // gemm_run(): the GEMM of gemm.cuh with an epilogue program. This header holds the host side only: tile
-// choice, shape checks, tensor maps, and the call of the kernel compiled for the chosen tile,
-// GemmTileKernel<layout, output, program, tile>::launch. Its definition is in gemm_instance.cuh, which only
-// the files that compile kernels include: one generated translation unit per program and tile for the
-// trainer's programs (CMakeLists.txt, CODA_GEMM_PROGRAMS), the tests' own programs in their test files.
-// A program with no compiled kernel for the chosen tile is a link error; a tile this build does not
-// compile for the program (CODA_GEMM_TILE, or a forced tile) is a run-time error that names it.
-//
-// Programs that change the output width store N * kOutsPerCol / kColsPerOut output columns (N / 2 after a
-// 2->1 map, 2 N after a 1->2 map). Programs with partial reductions must see whole tiles, so they never
-// run split over K; accumulate = true adds the program's output into D (TMA reduce-add). The program's
-// tile inputs (collect_tiles) get tensor maps of their own (bf16, 16-byte aligned, row stride a multiple
-// of 8 elements).
+// choice, shape checks, tensor maps, and the call of GemmTileKernel<layout, output, program, tile>::launch,
+// defined in gemm_instance.cuh, which only the files that compile kernels include (one generated
+// translation unit per program and tile: CMakeLists.txt, CODA_GEMM_PROGRAMS; the tests' own programs in
+// their test files). A program with no kernel for the tile is a link error; a tile this build does not
+// compile for it (CODA_GEMM_TILE, or a forced tile) a run-time error that names it.
+// Details: above gemm_run below; docs/GEMM.md.
+
 #pragma once
 #include <stdexcept>
 #include <string>
@@ -62,6 +57,11 @@ void launch_if_compiled(const Launch& l, const Program& program, cudaStream_t st
 
 }  // namespace gemm_detail
 
+// Programs that change the output width store N * kOutsPerCol / kColsPerOut output columns (N / 2 after a
+// 2->1 map, 2 N after a 1->2 map). Programs with partial reductions must see whole tiles, so they never
+// run split over K; accumulate = true adds the program's output into D (TMA reduce-add). The program's
+// tile inputs (collect_tiles) get tensor maps of their own (bf16, 16-byte aligned, row stride a multiple
+// of 8 elements).
 template <GemmLayout kLayout, class OutT, class Program>
 void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat16* B, int M, int N, int K,
               bool accumulate, const Program& program, cudaStream_t stream) {

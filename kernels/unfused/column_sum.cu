@@ -4,11 +4,11 @@
 // last row and drops it, so no branch splits the loads); the block's row groups meet in shared memory as
 // the slab's partial row. The slabs' partials are added in an order fixed by the launch shape alone
 // (bitwise reproducible on a given device), in one of two ways:
-//  * narrow matrices whose 64-column tiles all fit on the device at once as clusters of 16 blocks
-//    ([N, 768]): a cluster per tile; after a cluster barrier block 0 adds the 16 partials through
-//    distributed shared memory in slab order, with no global round trip after the main pass;
+//  * narrow matrices whose 64-column tiles all fit at once as clusters of 16 blocks ([N, 768]): a cluster per
+//    tile; block 0 adds the 16 partials through distributed shared memory in slab order, no global round trip;
 //  * otherwise the last block to end: 128-column tiles, a grid of exactly one wave, each block stores its
 //    partial and takes a ticket (ticket_add, vec.cuh); the last one sums the partials in one round of loads.
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>

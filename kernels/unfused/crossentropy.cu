@@ -1,15 +1,13 @@
 // Softmax cross-entropy over the LM head's logits: one read of the logits forward, one read and one write
 // backward (the framework chain log_softmax -> nll -> backward moves the [N, Vp] tensor twice as often).
-//
 // Forward, one block per row: every thread keeps an online (running max m, sum of exp(x - m)) pair over
 // its 16-byte packets, four packets (32 values) in flight and one rescale per four packets; exponentials
 // are the hardware exp2 (ex2.approx, relative error about 2^-22) on x log2e - m log2e. Only the last
 // packets of a row, which may hold padded columns, pay for masking. The pairs meet through warp shuffles
-// and shared memory.
-// lse = m + log(sum), loss = lse - x[target]. lse is kept for the backward. Padded columns (>= V) are
-// excluded.
+// and shared memory; lse = m + log(sum) (kept for the backward), loss = lse - x[target], columns >= V excluded.
 // Backward, elementwise over the whole [N, Vp] tensor: dlogit = (exp(x - lse) - [j == target]) * dloss,
 // 0 in the padded columns; it may overwrite the logits in place.
+
 #include <cmath>
 
 #include "kernels/cuda_check.cuh"

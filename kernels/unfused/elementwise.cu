@@ -1,8 +1,6 @@
 // The elementwise operations: bias add, residual add, GELU and SwiGLU, forward and backward.
-//
 // Each is a functor applied to one 16-byte packet (8 bf16 values) per thread by one generic launch, so
 // each operation is exactly one read of its inputs and one write of its output.
-//
 // GELU (tanh form, GPT-2's): gelu(x) = x/2 (1 + tanh(a (x + b x^3))), a = sqrt(2/pi), b = 0.044715;
 // gelu'(x) = (1 + t)/2 + x/2 (1 - t^2) a (1 + 3 b x^2), t = tanh(a (x + b x^3)). tanh is the hardware
 // approximation (tanh.approx.f32, relative error about 2^-11, well under bf16's 2^-8), so the kernel stays
@@ -10,6 +8,7 @@
 // SwiGLU over interleaved columns (model.hpp): y_j = silu(g_j) u_j with (g_j, u_j) = (gu[2j], gu[2j+1]);
 // backward: dg = dy u s (1 + g (1 - s)), du = dy silu(g), s = sigmoid(g). Because the gu row is exactly
 // twice the y row, output packet i reads gu packets 2i and 2i+1 whatever the row length.
+
 #include <stdexcept>
 #include <string>
 

@@ -1,16 +1,9 @@
 // Token (and GPT-2 position) embedding, forward and backward.
-//
 // Forward: x[n, :] = wte[tokens[n], :] + wpe[n % T, :], a warp per row with the next row's token id
-// prefetched.
-//
-// Backward: a scatter-add of the rows of dx into dwte (by token) and dwpe (by position), fp32.
-// Atomics would make the sums depend on scheduling. Instead the host groups the rows of the batch by
-// token with a counting sort (O(N + vocab), run while the GPU computes the forward pass), and the kernel
-// gives every distinct token one warp that sums that token's rows in ascending row order and adds the
-// sum into its dwte row: one writer per row, a fixed order, no atomics. The same launch gives each
-// position t one more warp for dwpe[t] = sum over b of dx[b*T + t] (these warps come first: they are the
-// long ones). A token that fills a large part of the batch makes one long warp; with natural text the
-// longest buckets are a few percent of the rows.
+// prefetched. Backward: a scatter-add of the rows of dx into dwte (by token) and dwpe (by position), fp32,
+// without atomics (they would make the sums depend on scheduling): the host groups the rows by token and
+// each distinct token's warp sums its rows in a fixed order. Details: above embedding_backward below.
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -187,6 +180,12 @@ TokenBuckets group_rows_by_token(const int32_t* tokens, int N, int vocab_size) {
   return result;
 }
 
+// The host groups the rows of the batch by token with a counting sort (O(N + vocab), run while the GPU
+// computes the forward pass), and the kernel gives every distinct token one warp that sums that token's rows
+// in ascending row order and adds the sum into its dwte row: one writer per row, a fixed order, no atomics.
+// The same launch gives each position t one more warp for dwpe[t] = sum over b of dx[b*T + t] (these warps
+// come first: they are the long ones). A token that fills a large part of the batch makes one long warp;
+// with natural text the longest buckets are a few percent of the rows.
 void embedding_backward(float* dwte, float* dwpe, const bf16* dx, const int32_t* buckets, int num_buckets, int B,
                         int T, int C, cudaStream_t stream) {
   const int items = num_buckets + (dwpe != nullptr ? T : 0);

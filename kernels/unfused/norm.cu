@@ -4,11 +4,11 @@
 // around the mean (exact where E[x^2] - mu^2 would cancel); persistent grid, next row prefetched.
 // Backward (xhat = (x - mu) r, g = dy w): dx = r (g - mean(g) - xhat mean(g xhat)) (RMSNorm: no mean(g)),
 // added into the residual gradient in the same pass; dw = colsum(dy xhat), db = colsum(dy). A row is spread
-// over a group of C/8 threads; each group has a ring of row slots in shared memory filled by 1-D bulk
-// copies (cp.async.bulk) on one mbarrier per slot and refilled after the group's own named barrier, so the
-// bytes in flight cost no registers. Each block writes one partial row of dw (db); the last blocks to take
-// a ticket sum the partials in block order: deterministic, and no second launch. The forward keeps its
-// register prefetch: the ring was slower there (docs/LOG.md).
+// over a group of C/8 threads that streams its rows through a ring of shared-memory slots by cp.async.bulk
+// (one mbarrier per slot), so the bytes in flight cost no registers (the forward keeps its register prefetch:
+// the ring was slower there, docs/LOG.md). Each block writes one partial row of dw (db); the last blocks to
+// take a ticket sum the partials in block order: deterministic, and no second launch.
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>

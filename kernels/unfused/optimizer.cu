@@ -1,14 +1,13 @@
 // The optimizer's kernels over the flat parameter buffer: fused AdamW, the global gradient sum of
 // squares (for the norm and clipping) and the fp32 -> bf16 conversion of the working copy.
-//
 // AdamW (decoupled weight decay), one pass: read p, g, m, v (fp32), write p, m, v and the bf16 copy of p
 // that the GEMMs read: 30 bytes per parameter, the minimum for this state. Bias corrections are folded
 // on the host. Whether a parameter decays is a property of its tensor; tensors start at multiples of 64
 // elements (model.hpp), so one byte per 64 elements says it (a 4-element packet never straddles two).
-//
 // The sum of squares is deterministic: every block reduces a grid-stride share in a fixed order and
 // writes its partial; the block that draws the last integer ticket (ticket_add in vec.cuh) sums the
 // partials in block order.
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>

@@ -1,5 +1,4 @@
 // Rotary position embedding on the packed qkv rows, in place, forward and backward.
-//
 // Pair i = (2i, 2i+1) of every q and k head of the token at position t is rotated by the angle
 // t * theta^(-2i/hd) (Meta's adjacent-pair convention, model.hpp):
 //   (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos).
@@ -8,6 +7,7 @@
 // (n_head + n_kv_head) * hd columns of each row in 16-byte packets (4 pairs) and leaves v alone.
 // cos and sin come from a [T, hd/2] table computed once on the host in double precision: the table
 // (at most a few MB, resident in L2) costs less than evaluating sincos for every element.
+
 #include <cmath>
 #include <stdexcept>
 #include <string>

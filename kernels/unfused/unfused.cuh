@@ -1,16 +1,13 @@
-// The unfused mode's kernels: one launch per operation of a Transformer training step, the way a
-// framework runs eagerly, written to run at memory bandwidth. This is the baseline the CODA mode is
-// measured against, so each kernel is as fast as a standalone kernel can be: 16-byte vector access,
-// coalesced rows, one pass over each tensor where the math allows, fp32 arithmetic and statistics,
-// deterministic reductions (per-block partials finished in a fixed order, never float atomics). Every
-// kernel is launched with programmatic dependent launch and waits for the previous kernel before its first
-// memory access (kernels/launch.cuh): the stream order of the data is unchanged, the launch gaps shrink.
-//
-// Conventions: row-major bf16 activations with N = B*T token rows; fp32 gradients of parameters in the
-// flat layout of model.hpp; every row length (C, OC, F, qkv_dim, Vp) and every pointer a multiple of 8
-// elements / 16 bytes. Functions named *_backward ADD into their parameter gradients (dw, db, dwte,
-// dwpe), as the CPU reference does (ref_ops.hpp), so gradient accumulation needs no extra pass.
+// The unfused mode's kernels: one launch per operation of a Transformer training step, the way a framework
+// runs eagerly, written to run at memory bandwidth. This is the baseline the CODA mode is measured against,
+// so each kernel is as fast as a standalone kernel can be: 16-byte vector access, coalesced rows, one pass
+// over each tensor where the math allows, fp32 arithmetic and statistics, deterministic reductions (never
+// float atomics), launched with PDL (kernels/launch.cuh). Conventions: row-major bf16 activations with
+// N = B*T token rows; fp32 parameter gradients in the flat layout of model.hpp; every row length (C, OC, F,
+// qkv_dim, Vp) and pointer a multiple of 8 elements / 16 bytes. Functions named *_backward ADD into their
+// parameter gradients (dw, db, dwte, dwpe), as ref_ops.hpp does, so gradient accumulation needs no extra pass.
 // The math of each operation is the CPU reference's; see the .cu file beside each group.
+
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -1,14 +1,12 @@
 // GEMM benchmark: the hand-written mainloop (both tile configurations and the automatic choice) against
 // cuBLASLt, side by side in one run, on every GEMM of gpt2-124m (32768 tokens) and llama3.2-1b (16384
 // tokens), forward / dgrad / wgrad (fp32 accumulate). Then the cost of CODA epilogue programs over the
-// bare mainloop of the same shape (gemm_epilogues.cu, gemm_overlap.cu).
-//
-// Method (tests/bench/bench_util.cuh): random inputs; several input sets rotated so the timed runs cannot live in
-// L2 (>= 150 MB of operands in the rotation); 5 warm-up rounds; CUDA events around each of 25 runs; the
-// median; the contenders of a shape interleaved run by run. Each shape also compares our output with
-// cuBLAS's (relative error), so a fast wrong kernel cannot pass unnoticed.
+// bare mainloop of the same shape (gemm_epilogues.cu, gemm_overlap.cu). Method: bench_util.cuh (median_ms,
+// >= 150 MB of operands in the rotation); each shape also compares our output with cuBLAS's (relative
+// error), so a fast wrong kernel cannot pass unnoticed.
 // Usage: bench_gemm [--quick] [--epilogues] [--overlap]   (--quick: 10 timed runs; --epilogues: only the
 // programs; --overlap: only the rows that ask whether an epilogue hides under the ping-pong MMAs)
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>

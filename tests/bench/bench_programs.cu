@@ -1,26 +1,14 @@
 // Per-program benchmark: each CODA program of the trainer, at the model's shape, against
-//   (a) CODA   gemm_run with the program exactly as the trainer builds it (kernels/coda/gpt2_programs.cuh,
-//              llama_programs.cuh; Auto tile), the GEMM kernel alone (not the tiny kernels that finish
-//              column partials into parameter gradients afterwards),
+//   (a) CODA   gemm_run with the program exactly as the trainer builds it (gpt2_programs.cuh, llama_programs.cuh;
+//              Auto tile), the GEMM kernel alone (not the kernels that finish column partials afterwards),
 //   (b) bare   the identity program of the same shape, layout and tile (the mainloop's own cost),
 //   (c) chain  what the unfused mode (src/cuda_backend.cu) runs for the same operations: the cuBLASLt GEMM
 //              and the unfused kernels before and after it, timed as a whole and part by part.
-// Overhead = CODA / bare - 1; speedup = chain / CODA. Energy per launch of CODA and of the chain (NVML's
-// counter, bench_util.cuh): at the power cap the step follows joules, so a program must cost fewer
-// joules than its chain, not only less time.
-//
-// Shapes: gpt2-124m B=32 T=1024 (M = 32768 rows, d 768, d_ff 3072, qkv 2304, vocabulary 50257 padded to
-// 50304) and llama3.2-1b B=8 T=2048 (M = 16384, d 2048, d_ff 8192 with gate/up interleaved (N = 16384),
-// qkv 3072, vocabulary 128256). Norm statistics come as the row partials a producer writes (one per N tile
-// of the producing GEMM, as many as the trainer's producer writes); they are filled so that each row's
-// variance is near 1 (sum of h near 0, sum of h^2 near d), so no rstd is huge and nothing becomes NaN/Inf.
-// Other inputs are uniform of realistic scale: activations +-1, weights +-0.05, gradients +-0.01. Every
-// buffer has the size the program addresses (row partials sized for the narrowest N tile, 128).
-//
-// Method (tests/bench/bench_util.cuh): the GEMM operands rotate through copies (>= 150 MB in the rotation) so the
-// timed runs do not find them in L2; contenders interleaved run by run; median of the timed runs after
-// 5 warm-up rounds. Output correctness is the GPU tests' business (gpu_tests), not this benchmark's.
+// Overhead = CODA / bare - 1; speedup = chain / CODA; energy per launch of CODA and of the chain: at the power
+// cap the step follows joules, so a program must cost fewer joules than its chain, not only less time.
+// Method: bench_util.cuh; correctness is gpu_tests' business. Shapes and inputs: above kAct below.
 // Usage: bench_programs [--runs N] [--model gpt2|llama]   (default: 25 timed runs, both models)
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -75,6 +63,14 @@ class Arena {
   std::vector<void*> blocks_;
 };
 
+// Shapes: gpt2-124m B=32 T=1024 (M = 32768 rows, d 768, d_ff 3072, qkv 2304, vocabulary 50257 padded to
+// 50304) and llama3.2-1b B=8 T=2048 (M = 16384, d 2048, d_ff 8192 with gate/up interleaved (N = 16384),
+// qkv 3072, vocabulary 128256). Norm statistics come as the row partials a producer writes (one per N tile
+// of the producing GEMM, as many as the trainer's producer writes); they are filled so that each row's
+// variance is near 1 (sum of h near 0, sum of h^2 near d), so no rstd is huge and nothing becomes NaN/Inf.
+// Other inputs are uniform of realistic scale: activations +-1, weights +-0.05, gradients +-0.01. Every
+// buffer has the size the program addresses (row partials sized for the narrowest N tile, 128). The GEMM
+// operands rotate through copies (>= 150 MB in the rotation), so the timed runs do not find them in L2.
 constexpr float kAct = 1.0f, kWeight = 0.05f, kGrad = 0.01f;
 
 // The GEMM of a program: layout and shape in gemm.cuh's terms, A [M, K] (activations or gradients),

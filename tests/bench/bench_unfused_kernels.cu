@@ -1,23 +1,11 @@
 // Bandwidth of every memory-bound kernel of the unfused mode on the shapes of gpt2-124m (B=32, T=1024) and
-// llama3.2-1b (B=8, T=2048), against a device-to-device copy measured in the same run.
-//
-// Bytes are the tensors each kernel must read and write, each counted once (a gathered embedding row
-// once per token, a parameter vector once). Timings per kernel, all medians after warm-up:
-//  * back-to-back (the headline, how a training step runs them): the cost of one more launch in a run of
-//    launches, (time of 24 launches in a row - time of 12) / 12, each run between two events after an
-//    L2 flush; the launches rotate over enough copies of the inputs (>= 200 MB in all) that no launch
-//    finds its inputs in the 50 MB L2. The kernels are launched with programmatic dependent launch
-//    (kernels/launch.cuh), so each launch's scheduling overlaps the previous launch's tail, as it does in
-//    a step wherever an unfused kernel follows another (after a cuBLASLt GEMM or an attention kernel,
-//    launched without PDL, only the launch itself overlaps). The difference leaves out what only the
-//    first launch of a run pays: its launch latency (nothing before it to overlap) and the write-back of
-//    the dirty lines the flush's memset left in L2;
-//  * run of 12: the time of the 12 launches divided by 12 (it charges every kernel the first launch's latency);
-//  * isolated: one launch between two events after a 512 MB memset that evicts the L2; this adds the
-//    launch latency (a few microseconds), which dominates the smallest kernels.
+// llama3.2-1b (B=8, T=2048), against a device-to-device copy measured in the same run. Bytes are the tensors
+// each kernel must read and write, each counted once (a gathered embedding row once per token, a parameter
+// vector once). The headline timing is back-to-back with PDL, as a training step runs the kernels; a run of 12
+// and an isolated launch are printed beside it (how each is measured: above measure() below).
 // Target: back-to-back >= 80% of 4.2 TB/s (the copy bandwidth in docs/PERFORMANCE.md) for each kernel.
-//
 // Usage: bench_unfused_kernels [gpt2|llama|all] [FILTER]   (FILTER: only kernels whose name contains it)
+
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -96,6 +84,18 @@ class Pool {
 // Copies of an input, enough that rotating over them defeats the L2 (at least 200 MB in all, at most 4).
 int input_sets(double input_bytes) { return std::max(1, std::min(4, static_cast<int>(std::ceil(200e6 / input_bytes)))); }
 
+// Timings per kernel, all medians after warm-up:
+//  * back-to-back: the cost of one more launch in a run of launches, (time of 24 launches in a row - time of
+//    12) / 12, each run between two events after an L2 flush; the launches rotate over enough copies of the
+//    inputs (>= 200 MB in all) that no launch finds its inputs in the 50 MB L2. The kernels are launched with
+//    programmatic dependent launch (kernels/launch.cuh), so each launch's scheduling overlaps the previous
+//    launch's tail, as it does in a step wherever an unfused kernel follows another (after a cuBLASLt GEMM or
+//    an attention kernel, launched without PDL, only the launch itself overlaps). The difference leaves out
+//    what only the first launch of a run pays: its launch latency and the write-back of the dirty lines the
+//    flush's memset left in L2;
+//  * run of 12: the time of the 12 launches divided by 12 (it charges every kernel the first launch's latency);
+//  * isolated: one launch between two events after a 512 MB memset that evicts the L2; this adds the
+//    launch latency (a few microseconds), which dominates the smallest kernels.
 struct Timing {
   double isolated_ms, run_ms, ms;  // isolated, a run of 12 divided by 12, back-to-back (one more launch)
 };

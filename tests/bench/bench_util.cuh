@@ -1,17 +1,9 @@
-// Timing helpers shared by the benchmarks.
-//
-// median_ms (bench_gemm, bench_programs): contenders of one shape run interleaved, run by run, so all of them see the same clocks: under sustained
-// load the card sits at its power cap and the SM clock drops, and timing contenders one after the other
-// favoured whoever ran first by up to 20%. Each contender is a function of the run index i, which it uses
-// to rotate between input sets (rotation_sets) so that its operands are not still in L2 from the run
-// before. CUDA events around each run after 5 warm-up rounds; the median.
-// median_ms_each (bench_attention, bench_fused, bench_unfused_kernels): one contender, each run timed on
-// its own, optionally after an untimed preparation such as L2Flush (a kernel's time with its inputs in
-// DRAM, as in a training step where the tensors are far larger than the L2).
-// median_millijoules (bench_programs): energy per run of each contender from the GPU's energy counter
-// (src/energy.hpp). The counter sees the whole card, so each contender runs alone, in blocks of back-to-
-// back runs of about 100 ms, the contenders' blocks alternating (A B A B ...) so that all see the same
-// clocks; the median over the blocks.
+// Timing helpers shared by the benchmarks: median_ms (contenders interleaved run by run), median_ms_each
+// (one contender, optionally after an L2 flush), median_millijoules (energy from the GPU's counter), and
+// input rotation (rotation_sets) so that a run's operands are not still in L2 from the run before.
+// Interleaving matters: under sustained load the card sits at its power cap and the SM clock drops, and
+// timing contenders one after the other favoured whoever ran first by up to 20%. Details: above each below.
+
 #pragma once
 #include <cuda_runtime.h>
 
@@ -26,6 +18,9 @@
 
 namespace coda::bench {
 
+// median_ms (bench_gemm, bench_programs): contenders of one shape run interleaved, run by run, so all of them
+// see the same clocks. Each contender is a function of the run index i, which it uses to rotate between input
+// sets (rotation_sets). CUDA events around each run after 5 warm-up rounds; the median.
 // Median time in ms of each contender over `timed_runs` runs; contender j's run i is runs[j](i).
 inline std::vector<double> median_ms(int timed_runs, const std::vector<std::function<void(int)>>& runs) {
   const int n = static_cast<int>(runs.size());
@@ -52,6 +47,10 @@ inline std::vector<double> median_ms(int timed_runs, const std::vector<std::func
   return medians;
 }
 
+// median_millijoules (bench_programs): energy per run of each contender from the GPU's energy counter
+// (src/energy.hpp). The counter sees the whole card, so each contender runs alone, in blocks of back-to-
+// back runs of about 100 ms, the contenders' blocks alternating (A B A B ...) so that all see the same
+// clocks; the median over the blocks.
 // Median millijoules per run of each contender, runs[j](i) taking about ms[j] milliseconds (median_ms);
 // empty where the energy counter cannot be read.
 inline std::vector<double> median_millijoules(const std::vector<std::function<void(int)>>& runs,
@@ -78,6 +77,9 @@ inline std::vector<double> median_millijoules(const std::vector<std::function<vo
   return medians;
 }
 
+// median_ms_each (bench_attention, bench_fused, bench_unfused_kernels): one contender, each run timed on
+// its own, optionally after an untimed preparation such as L2Flush (a kernel's time with its inputs in
+// DRAM, as in a training step where the tensors are far larger than the L2).
 // Median ms over `timed_runs` runs of run(i), after `warmup` untimed ones; before(i), if given, runs
 // ahead of each, outside the events.
 inline double median_ms_each(const std::function<void(int)>& run, int timed_runs, int warmup,

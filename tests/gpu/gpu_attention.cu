@@ -1,17 +1,11 @@
 // GPU attention (kernels/attention) against the fp32 CPU reference (ref::attention_forward/backward) on the
 // same bf16-rounded random inputs: forward out and lse, backward dq, dk, dv. Shapes cover head dims 64 and
-// 128, GQA ratios 1, 2 and 4, B > 1, T not a multiple of any block size, and T = 1.
-//
-// The CODA write-out (AttentionWriteout) is checked the same way against a host computation of its
-// contract: the reference gradient g, dz = inverse-RoPE(g) (Llama style) or g (GPT-2 style), dqkv = r dz,
-// the row dots <dz, z> (z = the inverse-rotated stored qkv: the kernel takes the dot before rotating,
-// so this also checks that shortcut), <dz, c>, <dz, b'>, and the column partials over groups of
-// 16 positions of one sequence (attention_writeout_groups); r and mu from random norm partials.
-//
-// Every output buffer is poisoned (NaN) before the kernel runs, so an element the kernel fails to write
-// poisons the error norms. Errors are relative Frobenius norms ||gpu - ref|| / ||ref|| (lse: max absolute
-// error); bf16 outputs and bf16 P / dS operands put them around 2e-3 (measured on H200: 1.8e-3 out,
-// 2.3e-3..3.3e-3 gradients).
+// 128, GQA ratios 1, 2 and 4, B > 1, T not a multiple of any block size, and T = 1. The CODA write-out is
+// checked the same way (above WriteoutCase below). Every output buffer is poisoned (NaN) before the kernel
+// runs, so an element the kernel fails to write poisons the error norms. Errors are relative Frobenius norms
+// ||gpu - ref|| / ||ref|| (lse: max absolute error); bf16 outputs and bf16 P / dS operands put them around
+// 2e-3 (measured on H200: 1.8e-3 out, 2.3e-3..3.3e-3 gradients).
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -95,6 +89,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttention,
                                   std::to_string(c.head_dim);
                          });
 
+// The CODA write-out (AttentionWriteout) against a host computation of its contract: the reference gradient
+// g, dz = inverse-RoPE(g) (Llama style) or g (GPT-2 style), dqkv = r dz, the row dots <dz, z> (z = the
+// inverse-rotated stored qkv: the kernel takes the dot before rotating, so this also checks that shortcut),
+// <dz, c>, <dz, b'>, and the column partials over groups of 16 positions of one sequence
+// (attention_writeout_groups); r and mu from random norm partials.
 struct WriteoutCase {
   int B, T, n_head, n_kv_head, head_dim;
   bool layernorm;    // GPT-2 style (c, b', column partials, no RoPE); else Llama style (RMSNorm, RoPE)

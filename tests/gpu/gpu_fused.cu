@@ -1,18 +1,11 @@
 // The CODA mode's fused kernels (kernels/coda/fused.cuh) against host computations on random data:
-//  * embedding_forward: h against the CPU reference's embedding (rounded to bf16 as stored), O = h (.) gamma,
-//    and the norm's row partials (sum, sum of squares) of the stored h;
-//  * loss_from_partials: per-tile (max, sum exp) partials of random logits, with a tile wholly in the padded
-//    vocabulary, against the CPU reference's cross-entropy;
-//  * dlogits, RMSNorm (in place) and LayerNorm (out of place): dlogits' = r dz against r times the CPU
-//    reference's softmax gradient, exact zeros in the padded columns and the row dots, on a small vocabulary and on GPT-2's (50257 of 50304: the multi-slice clusters), with N not a multiple
-//    of the row group; the LayerNorm run is repeated and must match bitwise (no atomics);
-//  * ln_weight_vectors with and without a bias; add_column_partials with group counts that make clusters
-//    of one and of several blocks with uneven shares, column counts that end in a partial tile, and
-//    gradients that already hold values (the function adds).
+// embedding_forward, loss_from_partials, dlogits (RMSNorm in place, LayerNorm out of place),
+// ln_weight_vectors and add_column_partials; the cases each covers: above its check function below.
 // Outputs are poisoned with NaN before every launch (an unwritten element fails). Errors are relative
 // Frobenius norms (rel_error). Tolerances: values rounded to bf16 once 1e-2; fp32 results of fp32 sums in
 // another order (and the GPU's fast exp) 1e-4; the embedding's h and O, which both sides compute with
 // identical fp32 operations and one rounding, 1e-6.
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,6 +29,8 @@ constexpr double kExactTol = 1e-6;
 
 // ---- embedding_forward ---------------------------------------------------------------------------------
 
+// embedding_forward: h against the CPU reference's embedding (rounded to bf16 as stored), O = h (.) gamma,
+// and the norm's row partials (sum, sum of squares) of the stored h.
 void check_embedding(int B, int T, int C, bool positions) {
   SCOPED_TRACE("B=" + std::to_string(B) + " T=" + std::to_string(T) + " C=" + std::to_string(C) +
                (positions ? " with wpe" : " no wpe"));
@@ -88,6 +83,8 @@ TEST(GpuFused, EmbeddingForward) {
 
 // ---- loss_from_partials --------------------------------------------------------------------------------
 
+// loss_from_partials: per-tile (max, sum exp) partials of random logits, with a tile wholly in the padded
+// vocabulary, against the CPU reference's cross-entropy.
 TEST(GpuFused, LossFromPartials) {
   SKIP_WITHOUT_GPU();
   coda::Rng rng(5);
@@ -151,6 +148,9 @@ NormRows random_norm_rows(int N, bool layer_norm, coda::Rng& rng) {
   return s;
 }
 
+// dlogits' = r dz against r times the CPU reference's softmax gradient, exact zeros in the padded columns and
+// the row dots, on a small vocabulary and on GPT-2's (50257 of 50304: the multi-slice clusters), with N not a
+// multiple of the row group; the LayerNorm run is repeated and must match bitwise (no atomics).
 void check_dlogits(int N, int vocab, int Vp, bool layer_norm) {
   SCOPED_TRACE("N=" + std::to_string(N) + " vocab=" + std::to_string(vocab) + " Vp=" + std::to_string(Vp) +
                (layer_norm ? " LayerNorm" : " RMSNorm"));
@@ -241,6 +241,7 @@ TEST(GpuFused, DlogitsLayerNorm) {
 
 // ---- ln_weight_vectors ---------------------------------------------------------------------------------
 
+// ln_weight_vectors with and without a bias.
 void check_ln_weight_vectors(int rows, int d, bool with_bias) {
   SCOPED_TRACE("rows=" + std::to_string(rows) + " d=" + std::to_string(d) + (with_bias ? " bias" : " no bias"));
   coda::Rng rng(23 + d + with_bias);
@@ -280,6 +281,9 @@ std::vector<double> column_sums(const std::vector<float>& partials, int groups, 
   return s;
 }
 
+// add_column_partials with group counts that make clusters of one and of several blocks with uneven shares,
+// column counts that end in a partial tile, and gradients that already hold values (the function adds).
+//
 // `arrays` (gradient, partials) pairs in one launch, with a pair without gradient among them (skipped).
 void check_add_column_partials(int groups, int ld, int n, int arrays) {
   SCOPED_TRACE("groups=" + std::to_string(groups) + " ld=" + std::to_string(ld) + " n=" + std::to_string(n) +

@@ -1,16 +1,13 @@
 // A whole tiny model on the GPU against the fp32 CPU backend (make_cpu_backend), for every (architecture,
-// kernels mode) this build has — unfused (cuBLASLt + one kernel per operation) and coda (GEMM-epilogue
-// programs):
-//  * a tiny GPT-2 and a tiny Llama (GQA, untied head): loss, last-position logits and every gradient
-//    tensor of one forward_backward, and gradient accumulation over a second micro-batch;
-//  * 50 AdamW steps on fixed random batches: the loss curves of both backends.
-// The coda mode's relative errors are printed next to the unfused mode's on the same inputs, and may be
-// at most twice as large: the two modes round to bf16 at different points (coda keeps
-// O = h (.) gamma and the scaled gradients r dz, unfused the normed activations and dz), so neither is
-// exact, but the fusion must not lose precision beyond that.
+// kernels mode) this build has, unfused and coda: a tiny GPT-2 and a tiny Llama (GQA, untied head), loss,
+// last-position logits and every gradient tensor of one forward_backward, gradient accumulation over a second
+// micro-batch, and the loss curves of 50 AdamW steps on fixed random batches. The coda mode's relative errors
+// are printed next to the unfused mode's on the same inputs and may be at most twice as large: the two modes
+// round to bf16 at different points (coda keeps O = h (.) gamma and the scaled gradients r dz, unfused the
+// normed activations and dz), so neither is exact, but the fusion must not lose precision beyond that.
 // Errors are relative Frobenius norms ||gpu - ref|| / ||ref|| (NaN-proof: a NaN fails the EXPECT_LT).
-// Tolerances: logits 1e-2 (bf16 outputs), loss 2e-3 relative, gradients 3e-2 (bf16 activations through
-// every layer).
+// Tolerances: logits 1e-2 (bf16 outputs), loss 2e-3 relative, gradients 3e-2 (bf16 activations throughout).
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
