@@ -398,14 +398,19 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
   // ranks have nothing to do. The state is copied to the host here; rank 0 then writes the files on
   // `writer`'s thread while training goes on (the previous write is waited for first, so one set of
   // copies is in flight). Returns the directory being written (empty on ranks other than 0); it is
-  // complete once writer.wait() returns.
+  // complete once writer.wait() returns. The host copies are allocated once and reused by every save
+  // (the write that read them has finished by then): llama3.2-1b's are 15 GB, whose allocation and
+  // zeroing would otherwise stall every checkpoint.
+  std::vector<float> saved_params, saved_m, saved_v;  // before writer: its job reads them until it ends
   BackgroundJob writer;
   const auto save = [&](int at_step) -> std::string {
     if (!root && !config.zero1) return {};
     if (root) writer.wait();
-    std::vector<float> params(layout.total), m(layout.total), v(layout.total);
-    backend->read_params(params.data());
-    backend->read_optimizer_state(m.data(), v.data());
+    saved_params.resize(layout.total);
+    saved_m.resize(layout.total);
+    saved_v.resize(layout.total);
+    backend->read_params(saved_params.data());
+    backend->read_optimizer_state(saved_m.data(), saved_v.data());
     if (!root) return {};
     TrainerState state;
     state.step = at_step;
@@ -413,9 +418,9 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
     state.rng = rng.state();
     state.run_config = effective;
     const std::string dir = (out / ("step_" + std::to_string(at_step))).string();
-    writer.start([dir, model, state, out, keep = config.keep_checkpoints, params = std::move(params),
-                  m = std::move(m), v = std::move(v)] {
-      save_checkpoint(dir, model, params.data(), m.data(), v.data(), state);
+    writer.start([dir, model, state, out, keep = config.keep_checkpoints, params = saved_params.data(),
+                  m = saved_m.data(), v = saved_v.data()] {
+      save_checkpoint(dir, model, params, m, v, state);
       spdlog::info("checkpoint {}", dir);
       prune_checkpoints(out, keep, state.step);
     });
