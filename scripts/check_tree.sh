@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fails when the tree tells its development history or points outside the repository: work periods
-# ("session 3"), issue numbers ("issue 6", "(#12)", "see #7"), work branches ("wip/..."), paths
-# outside the repository ("../shared"), or where a command ran ("device call", "workstation").
+# Fails when the tree tells its development history or points outside the repository: work periods,
+# issue or pull-request numbers, work branches, paths outside the repository, or where a command ran
+# (the patterns below).
 # The project describes its design and its measurements; git history keeps how it got there.
 # Prints file:line:text for every hit and exits 1, or exits 0 when the tree is clean.
 # Usage: scripts/check_tree.sh [ROOT]   (default: the repository holding this script)
