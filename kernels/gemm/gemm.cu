@@ -183,22 +183,6 @@ GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, GemmEpilogue e
   return GemmTile::PingPong128x128;
 }
 
-int gemm_tile_n(GemmTile tile) {
-  switch (tile) {
-    case GemmTile::Cooperative128x256: return 256;
-    case GemmTile::PingPong128x128: return 128;
-    case GemmTile::PingPong64x256: return 256;
-    case GemmTile::Auto: break;
-  }
-  throw std::invalid_argument("gemm_tile_n: GemmTile::Auto has no width; choose a tile first");
-}
-
-int gemm_tile_m(GemmTile tile) {
-  if (tile == GemmTile::Auto)
-    throw std::invalid_argument("gemm_tile_m: GemmTile::Auto has no height; choose a tile first");
-  return tile == GemmTile::PingPong64x256 ? 64 : 128;
-}
-
 int gemm_row_partials(GemmLayout layout, int M, int N, int K) {
   const int bn = gemm_tile_n(gemm_choose_tile(layout, M, N, K, GemmEpilogue::Program));
   return (N + bn - 1) / bn;

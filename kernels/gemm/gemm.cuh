@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <stdexcept>
 #include <vector>
 
 namespace coda {
@@ -62,8 +63,16 @@ std::vector<GemmTile> gemm_tiles_compiled(GemmLayout layout, GemmEpilogue epilog
 // The tile Auto picks for a GEMM of this shape and epilogue (always one of gemm_tile_can_be_chosen's), or
 // the tile CODA_GEMM_TILE forces.
 GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, GemmEpilogue epilogue);
-int gemm_tile_n(GemmTile tile);  // N tile width: row partials of a program come per tile_n columns
-int gemm_tile_m(GemmTile tile);  // M tile height
+// N tile width (row partials of a program come per tile_n columns) and M tile height; the kernel's
+// configuration of a tile (gemm_instance.cuh) takes its shape from these too.
+constexpr int gemm_tile_n(GemmTile tile) {
+  if (tile == GemmTile::Auto) throw std::invalid_argument("gemm_tile_n: GemmTile::Auto has no width, choose a tile");
+  return tile == GemmTile::PingPong128x128 ? 128 : 256;
+}
+constexpr int gemm_tile_m(GemmTile tile) {
+  if (tile == GemmTile::Auto) throw std::invalid_argument("gemm_tile_m: GemmTile::Auto has no height, choose a tile");
+  return tile == GemmTile::PingPong64x256 ? 64 : 128;
+}
 // N tiles of the tile Auto picks for a program of this shape: the count of its row partials ([M, count]).
 int gemm_row_partials(GemmLayout layout, int M, int N, int K);
 const char* gemm_tile_name(GemmTile tile);

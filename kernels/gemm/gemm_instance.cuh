@@ -18,10 +18,9 @@ template <GemmLayout kLayout, class OutT, class Program, GemmTile kTile>
 struct TileConfig {
   static constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
   static constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
-  static constexpr int kBM = kTile == GemmTile::PingPong64x256 ? 64 : 128;
-  static constexpr int kBN = kTile == GemmTile::PingPong128x128 ? 128 : 256;
-  using type = Config<kBM, kBN, kTile != GemmTile::Cooperative128x256, kAKMajor, kBKMajor, OutT,
-                      Program::kTileInputs, Program::column_bytes()>;
+  static constexpr bool kPingPong = kTile != GemmTile::Cooperative128x256;
+  using type = Config<gemm_tile_m(kTile), gemm_tile_n(kTile), kPingPong, kAKMajor, kBKMajor, OutT, Program::kTileInputs,
+                      Program::column_bytes()>;
 };
 
 }  // namespace gemm_detail

@@ -37,8 +37,8 @@ namespace gemm_detail {
 
 // Validates the shape, builds the tensor maps (operands, output, the program's tile_inputs sources) and
 // the schedule (gemm.cu).
-Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D, const void* A,
-               const void* B, int M, int N, int K, bool accumulate, bool identity_program,
+Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D,
+               const void* A, const void* B, int M, int N, int K, bool accumulate, bool identity_program,
                const epi::TileSource* sources, int tile_inputs, cudaStream_t stream);
 
 // "gemm fwd 32768x2304x768 pingpong128x128" (the profile's label of a launch).
@@ -47,12 +47,27 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 // The error of a tile that this build compiles no kernel of the program for.
 [[noreturn]] void throw_tile_not_compiled(GemmTile tile, const char* program_type);
 
+template <class Program>
+using TileLauncher = void (*)(const Launch&, const Program&, cudaStream_t);
+
+// The launch function of the program's kernel on kTile, or nullptr where this build compiles none.
 template <GemmLayout kLayout, class OutT, class Program, GemmTile kTile>
-void launch_if_compiled(const Launch& l, const Program& program, cudaStream_t stream) {
+constexpr TileLauncher<Program> launcher_if_compiled() {
   if constexpr (gemm_tile_compiled(kLayout, gemm_epilogue_of<Program>(), kTile))
-    GemmTileKernel<kLayout, OutT, Program, kTile>::launch(l, program, stream);
-  else
-    throw_tile_not_compiled(kTile, typeid(Program).name());
+    return &GemmTileKernel<kLayout, OutT, Program, kTile>::launch;
+  return nullptr;
+}
+
+template <GemmLayout kLayout, class OutT, class Program>
+TileLauncher<Program> tile_launcher(GemmTile tile) {
+  using T = GemmTile;
+  switch (tile) {
+    case T::Cooperative128x256: return launcher_if_compiled<kLayout, OutT, Program, T::Cooperative128x256>();
+    case T::PingPong128x128: return launcher_if_compiled<kLayout, OutT, Program, T::PingPong128x128>();
+    case T::PingPong64x256: return launcher_if_compiled<kLayout, OutT, Program, T::PingPong64x256>();
+    case T::Auto: break;
+  }
+  return nullptr;
 }
 
 }  // namespace gemm_detail
@@ -69,7 +84,8 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   static_assert(std::is_same_v<OutT, float> || std::is_same_v<OutT, __nv_bfloat16>, "bf16 or fp32 output");
   constexpr GemmEpilogue kEpilogue = gemm_epilogue_of<Program>();
   if (tile == GemmTile::Auto) tile = gemm_choose_tile(kLayout, M, N, K, kEpilogue);
-  if (!gemm_tile_compiled(kLayout, kEpilogue, tile)) throw_tile_not_compiled(tile, typeid(Program).name());
+  const TileLauncher<Program> launch = tile_launcher<kLayout, OutT, Program>(tile);
+  if (launch == nullptr) throw_tile_not_compiled(tile, typeid(Program).name());
   const profile::Region region(profile::enabled() ? gemm_profile_label(kLayout, tile, M, N, K) + " " +
                                                         profile::type_name(typeid(Program).name())
                                                   : std::string(),
@@ -79,12 +95,7 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,
                            A, B, M, N, K, accumulate, kEpilogue == GemmEpilogue::Bare, sources, Program::kTileInputs,
                            stream);
-  if (tile == GemmTile::Cooperative128x256)
-    launch_if_compiled<kLayout, OutT, Program, GemmTile::Cooperative128x256>(l, program, stream);
-  else if (tile == GemmTile::PingPong64x256)
-    launch_if_compiled<kLayout, OutT, Program, GemmTile::PingPong64x256>(l, program, stream);
-  else
-    launch_if_compiled<kLayout, OutT, Program, GemmTile::PingPong128x128>(l, program, stream);
+  launch(l, program, stream);
 }
 
 }  // namespace coda
