@@ -187,23 +187,23 @@ void add_config_options(CLI::App& app, RunConfig& c) {
          "--arch",
          [&m](const std::string& name) {
            try {
-             m.arch = parse_arch(name);
+             m.set_arch(parse_arch(name));
            } catch (const std::invalid_argument& e) {
              throw CLI::ValidationError("--arch", e.what());
            }
          },
-         "architecture: gpt2 | llama")
+         "architecture, which picks the features: gpt2 | llama | qwen2 (src/models/)")
       ->group("model")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->default_str(arch_name(m.arch));
   key("model", "n_layer", m.n_layer, "transformer blocks");
   key("model", "d_model", m.d_model, "residual width");
   key("model", "n_head", m.n_head, "attention heads");
-  key("model", "n_kv_head", m.n_kv_head, "key/value heads (gpt2: = n_head)");
-  key("model", "d_ff", m.d_ff, "MLP hidden width (gpt2: 4*d_model; llama: SwiGLU width)");
+  key("model", "n_kv_head", m.n_kv_head, "key/value heads (gpt2: = n_head; fewer: grouped-query attention)");
+  key("model", "d_ff", m.d_ff, "MLP hidden width (GELU: 4*d_model for gpt2; SwiGLU: gate and up width)");
   key("model", "vocab_size", m.vocab_size, "vocabulary size (padded to a multiple of 128 inside)");
-  key("model", "max_seq_len", m.max_seq_len, "longest sequence the model takes (gpt2: position table size)");
-  key("model", "rope_theta", m.rope_theta, "RoPE base (llama)");
+  key("model", "max_seq_len", m.max_seq_len, "longest sequence the model takes (learned positions: the table size)");
+  key("model", "rope_theta", m.rope_theta, "RoPE base (llama, qwen2)");
   key("model", "norm_eps", m.norm_eps, "LayerNorm / RMSNorm epsilon");
   key("model", "tied_head", m.tied_head, "LM head shares the token embedding (gpt2: always)");
 

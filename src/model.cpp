@@ -4,16 +4,10 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "models/architecture.hpp"
+
 
 namespace coda {
-
-const char* arch_name(Arch arch) { return arch == Arch::GPT2 ? "gpt2" : "llama"; }
-
-Arch parse_arch(const std::string& name) {
-  if (name == "gpt2") return Arch::GPT2;
-  if (name == "llama") return Arch::Llama;
-  throw std::invalid_argument("arch: expected \"gpt2\" or \"llama\", got \"" + name + "\"");
-}
 
 void ModelConfig::validate() const {
   auto require = [](bool ok, const std::string& message) {
@@ -27,13 +21,12 @@ void ModelConfig::validate() const {
   require(head_dim() % 2 == 0, "head_dim = d_model / n_head must be even");
   require(n_kv_head >= 1 && n_head % n_kv_head == 0,
           "n_kv_head (" + std::to_string(n_kv_head) + ") must divide n_head (" + std::to_string(n_head) + ")");
-  require(arch == Arch::Llama || n_kv_head == n_head, "n_kv_head must equal n_head for gpt2");
-  require(arch == Arch::Llama || tied_head, "tied_head must be true for gpt2");
   require(d_ff >= 1, "d_ff must be >= 1");
   require(vocab_size >= 2, "vocab_size must be >= 2");
   require(max_seq_len >= 1, "max_seq_len must be >= 1");
   require(rope_theta > 0.0f, "rope_theta must be > 0");
   require(norm_eps > 0.0f, "norm_eps must be > 0");
+  architecture(arch).validate(*this);
 }
 
 const ParamTensor& ParamLayout::find(const std::string& name) const {
@@ -59,28 +52,28 @@ ParamLayout make_param_layout(const ModelConfig& c) {
     return tensor.offset;
   };
   const int64_t C = c.d_model, V = c.padded_vocab(), F = c.d_ff;
-  const bool gpt2 = c.arch == Arch::GPT2;
+  const int64_t U = c.mlp_up_rows();
   layout.wte = add("wte", {V, C}, false);
-  if (gpt2) layout.wpe = add("wpe", {c.max_seq_len, C}, false);
+  if (!c.rope()) layout.wpe = add("wpe", {c.max_seq_len, C}, false);
   for (int l = 0; l < c.n_layer; ++l) {
     const std::string p = "h." + std::to_string(l) + ".";
     LayerParams lp;
     lp.norm1_w = add(p + "norm1_w", {C}, false);
-    if (gpt2) lp.norm1_b = add(p + "norm1_b", {C}, false);
+    if (c.norm_bias()) lp.norm1_b = add(p + "norm1_b", {C}, false);
     lp.qkv_w = add(p + "qkv_w", {c.qkv_dim(), C}, true);
-    if (gpt2) lp.qkv_b = add(p + "qkv_b", {c.qkv_dim()}, false);
+    if (c.qkv_bias) lp.qkv_b = add(p + "qkv_b", {c.qkv_dim()}, false);
     lp.attn_proj_w = add(p + "attn_proj_w", {C, C}, true);
-    if (gpt2) lp.attn_proj_b = add(p + "attn_proj_b", {C}, false);
+    if (c.proj_bias) lp.attn_proj_b = add(p + "attn_proj_b", {C}, false);
     lp.norm2_w = add(p + "norm2_w", {C}, false);
-    if (gpt2) lp.norm2_b = add(p + "norm2_b", {C}, false);
-    lp.mlp_up_w = add(p + "mlp_up_w", {c.mlp_up_rows(), C}, true);
-    if (gpt2) lp.mlp_up_b = add(p + "mlp_up_b", {F}, false);
+    if (c.norm_bias()) lp.norm2_b = add(p + "norm2_b", {C}, false);
+    lp.mlp_up_w = add(p + "mlp_up_w", {U, C}, true);
+    if (c.mlp_bias) lp.mlp_up_b = add(p + "mlp_up_b", {U}, false);
     lp.mlp_down_w = add(p + "mlp_down_w", {C, F}, true);
-    if (gpt2) lp.mlp_down_b = add(p + "mlp_down_b", {C}, false);
+    if (c.mlp_bias) lp.mlp_down_b = add(p + "mlp_down_b", {C}, false);
     layout.layers.push_back(lp);
   }
   layout.normf_w = add("normf_w", {C}, false);
-  if (gpt2) layout.normf_b = add("normf_b", {C}, false);
+  if (c.norm_bias()) layout.normf_b = add("normf_b", {C}, false);
   if (!c.tied_head) layout.lm_head = add("lm_head", {V, C}, true);
   return layout;
 }

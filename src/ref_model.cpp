@@ -31,11 +31,11 @@ RefModel::RefModel(const ModelConfig& model_config, int max_batch, int max_seq_l
     throw std::invalid_argument("RefModel: max_seq_len " + std::to_string(max_seq_len) + " outside [1, " +
                                 std::to_string(config.max_seq_len) + "]");
   const size_t N = static_cast<size_t>(max_batch) * max_seq_len, C = config.d_model;
-  const bool gpt2 = config.arch == Arch::GPT2;
+  const bool layer_norm = config.norm == Norm::Layer;
   // A norm's output and the statistics its backward reads (the mean only for LayerNorm).
   const auto size_norm = [&](std::vector<float>& y, std::vector<float>& mean, std::vector<float>& rstd) {
     y.resize(N * C);
-    mean.resize(gpt2 ? N : 0);
+    mean.resize(layer_norm ? N : 0);
     rstd.resize(N);
   };
   acts.layers.resize(config.n_layer);
@@ -67,10 +67,10 @@ void RefModel::init(uint64_t seed) { init_params(config, layout, seed, params.da
 
 void RefModel::zero_grad() { std::fill(grads.begin(), grads.end(), 0.0f); }
 
-// Normalisation of the architecture: LayerNorm (GPT-2, mean non-null) or RMSNorm (Llama).
+// The model's norm: LayerNorm (mean non-null) or RMSNorm.
 static void norm_forward(const ModelConfig& c, float* y, float* mean, float* rstd, const float* x, const float* w,
                          const float* b, int N) {
-  if (c.arch == Arch::GPT2)
+  if (c.norm == Norm::Layer)
     layernorm_forward(y, mean, rstd, x, w, b, N, c.d_model, c.norm_eps);
   else
     rmsnorm_forward(y, rstd, x, w, N, c.d_model, c.norm_eps);
@@ -78,7 +78,7 @@ static void norm_forward(const ModelConfig& c, float* y, float* mean, float* rst
 
 static void norm_backward(const ModelConfig& c, float* dx, float* dw, float* db, const float* dy, const float* x,
                           const float* w, const float* mean, const float* rstd, int N) {
-  if (c.arch == Arch::GPT2)
+  if (c.norm == Norm::Layer)
     layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, c.d_model);
   else
     rmsnorm_backward(dx, dw, dy, x, w, rstd, N, c.d_model);
@@ -91,7 +91,6 @@ float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, in
                                 " T<=" + std::to_string(max_seq_len_));
   const int N = B * T, C = config.d_model, hd = config.head_dim(), NH = config.n_head, NKV = config.n_kv_head;
   const int F = config.d_ff, up_rows = config.mlp_up_rows(), V = config.vocab_size, Vp = config.padded_vocab();
-  const bool gpt2 = config.arch == Arch::GPT2;
   for (int n = 0; n < N; ++n)
     if (tokens[n] < 0 || tokens[n] >= V)
       throw std::invalid_argument("RefModel::forward: token " + std::to_string(tokens[n]) + " outside [0, " +
@@ -109,7 +108,7 @@ float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, in
     norm_forward(config, a.norm1.data(), a.norm1_mean.data(), a.norm1_rstd.data(), a.residual_in.data(),
                  param(p.norm1_w), param(p.norm1_b), N);
     matmul_forward(a.qkv.data(), a.norm1.data(), param(p.qkv_w), param(p.qkv_b), N, C, config.qkv_dim());
-    if (!gpt2) rope_forward(a.qkv.data(), B, T, NH, NKV, hd, config.rope_theta);
+    if (config.rope()) rope_forward(a.qkv.data(), B, T, NH, NKV, hd, config.rope_theta);
     attention_forward(a.attn_out.data(), a.lse.data(), a.qkv.data(), B, T, NH, NKV, hd);
     matmul_forward(a.residual_mid.data(), a.attn_out.data(), param(p.attn_proj_w), param(p.attn_proj_b), N, C, C);
     for (size_t i = 0; i < static_cast<size_t>(N) * C; ++i) a.residual_mid[i] += a.residual_in[i];
@@ -117,7 +116,7 @@ float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, in
     norm_forward(config, a.norm2.data(), a.norm2_mean.data(), a.norm2_rstd.data(), a.residual_mid.data(),
                  param(p.norm2_w), param(p.norm2_b), N);
     matmul_forward(a.mlp_pre.data(), a.norm2.data(), param(p.mlp_up_w), param(p.mlp_up_b), N, C, up_rows);
-    if (gpt2)
+    if (config.mlp == Mlp::Gelu)
       gelu_forward(a.mlp_act.data(), a.mlp_pre.data(), static_cast<size_t>(N) * F);
     else
       swiglu_forward(a.mlp_act.data(), a.mlp_pre.data(), N, F);
@@ -139,7 +138,6 @@ void RefModel::backward(float grad_scale) {
   if (!have_targets_) throw std::logic_error("RefModel::backward: the last forward had no targets");
   const int B = B_, T = T_, N = B * T, C = config.d_model, hd = config.head_dim(), NH = config.n_head;
   const int NKV = config.n_kv_head, F = config.d_ff, up_rows = config.mlp_up_rows(), Vp = config.padded_vocab();
-  const bool gpt2 = config.arch == Arch::GPT2;
   auto zero = [N](std::vector<float>& buffer, int width) {
     std::fill(buffer.begin(), buffer.begin() + static_cast<size_t>(N) * width, 0.0f);
   };
@@ -161,7 +159,7 @@ void RefModel::backward(float grad_scale) {
     matmul_backward(d_mlp_act_.data(), grad(p.mlp_down_w), grad(p.mlp_down_b), d_residual_.data(), a.mlp_act.data(),
                     param(p.mlp_down_w), N, F, C);
     zero(d_mlp_pre_, up_rows);
-    if (gpt2)
+    if (config.mlp == Mlp::Gelu)
       gelu_backward(d_mlp_pre_.data(), d_mlp_act_.data(), a.mlp_pre.data(), static_cast<size_t>(N) * F);
     else
       swiglu_backward(d_mlp_pre_.data(), d_mlp_act_.data(), a.mlp_pre.data(), N, F);
@@ -177,7 +175,7 @@ void RefModel::backward(float grad_scale) {
     zero(d_qkv_, config.qkv_dim());
     attention_backward(d_qkv_.data(), d_attn_out_.data(), a.qkv.data(), a.attn_out.data(), a.lse.data(), B, T, NH, NKV,
                        hd);
-    if (!gpt2) rope_backward(d_qkv_.data(), B, T, NH, NKV, hd, config.rope_theta);
+    if (config.rope()) rope_backward(d_qkv_.data(), B, T, NH, NKV, hd, config.rope_theta);
     zero(d_norm_, C);
     matmul_backward(d_norm_.data(), grad(p.qkv_w), grad(p.qkv_b), d_qkv_.data(), a.norm1.data(), param(p.qkv_w), N, C,
                     config.qkv_dim());

@@ -1,4 +1,5 @@
-// The fp32 CPU reference model: GPT-2 and Llama forward and backward built from the ops of ref_ops.hpp.
+// The fp32 CPU reference model: forward and backward of every model the features describe, built from the
+// ops of ref_ops.hpp.
 // It is the spec of the whole trainer; the GPU backends are tested against its activations, loss and
 // gradients.
 // Every activation the backward needs is kept in RefActivations, with the first B*T rows valid after a
@@ -11,26 +12,24 @@
 
 namespace coda::ref {
 
-// GPT-2 (per token row; h is the residual stream):
-//   h = wte[token] + wpe[t]
-//   per layer: h += attn_proj(attention(qkv(LN1(h))));  h += mlp_down(GELU(mlp_up(LN2(h))))  (all with bias)
-//   logits = LNf(h) wte^T
-// Llama:
-//   h = wte[token]
-//   per layer: h += attn_proj(attention(RoPE(qkv(RMS1(h)))));  h += mlp_down(SwiGLU(mlp_up(RMS2(h))))
-//   logits = RMSf(h) W^T, W = wte (tied) or lm_head
+// Per token row, h the residual stream, each feature of ModelConfig where it applies:
+//   h = wte[token] (+ wpe[t], learned positions)
+//   per layer: h += attn_proj(attention(RoPE(qkv(norm1(h)))));  h += mlp_down(act(mlp_up(norm2(h))))
+//   logits = normf(h) W^T, W = wte (tied) or lm_head
+// norm: LayerNorm or RMSNorm; act: GELU or SwiGLU; RoPE only with RoPE positions, applied after the qkv
+// bias; each projection with or without its bias.
 // Loss: mean over the B*T tokens of cross-entropy against the targets, over the real vocabulary only.
 struct RefLayerActivations {
   std::vector<float> residual_in;   // [N, C] residual stream entering the layer
   std::vector<float> norm1;         // [N, C] normed input of the qkv projection
-  std::vector<float> norm1_mean;    // [N] LayerNorm mean (GPT-2 only; empty for Llama)
+  std::vector<float> norm1_mean;    // [N] LayerNorm mean (empty for RMSNorm)
   std::vector<float> norm1_rstd;    // [N]
-  std::vector<float> qkv;           // [N, qkv_dim] packed q|k|v, after RoPE for Llama
+  std::vector<float> qkv;           // [N, qkv_dim] packed q|k|v, after the bias and RoPE
   std::vector<float> attn_out;      // [N, C] attention output, input of attn_proj
   std::vector<float> lse;           // [B, n_head, T]
   std::vector<float> residual_mid;  // [N, C] residual after the attention block
   std::vector<float> norm2;         // [N, C] normed input of mlp_up
-  std::vector<float> norm2_mean;    // [N] (GPT-2 only)
+  std::vector<float> norm2_mean;    // [N] (LayerNorm only)
   std::vector<float> norm2_rstd;    // [N]
   std::vector<float> mlp_pre;       // [N, mlp_up_rows] mlp_up output: GELU input, or interleaved (g, u)
   std::vector<float> mlp_act;       // [N, d_ff] GELU / SwiGLU output, input of mlp_down
@@ -40,7 +39,7 @@ struct RefActivations {
   std::vector<RefLayerActivations> layers;
   std::vector<float> residual_final;  // [N, C] residual stream after the last layer
   std::vector<float> normf;           // [N, C] final norm output, input of the LM head
-  std::vector<float> normf_mean;      // [N] (GPT-2 only)
+  std::vector<float> normf_mean;      // [N] (LayerNorm only)
   std::vector<float> normf_rstd;      // [N]
   std::vector<float> logits;          // [N, padded_vocab]; padded columns are logits of zero rows
   std::vector<float> losses;          // [N] per-token cross-entropy (valid when targets were given)

@@ -29,7 +29,7 @@
 
 #include "background_job.hpp"
 #include "checkpoint.hpp"
-#include "coda_backend.hpp"
+#include "cuda_backend.hpp"
 #include "data.hpp"
 #include "dist_plan.hpp"
 #include "distributed.hpp"

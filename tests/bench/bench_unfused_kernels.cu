@@ -141,7 +141,7 @@ void report(const std::string& model, const std::string& kernel, double bytes, i
 
 void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int T) {
   Pool pool;
-  const bool gpt2 = c.arch == coda::Arch::GPT2;
+  const bool learned_positions = !c.rope(), layer_norm = c.norm == coda::Norm::Layer;
   const int N = B * T, C = c.d_model, F = c.d_ff, U = c.mlp_up_rows(), Q = c.qkv_dim(), V = c.vocab_size,
             Vp = c.padded_vocab(), hd = c.head_dim();
   const size_t NC = static_cast<size_t>(N) * C, NF = static_cast<size_t>(N) * F, NV = static_cast<size_t>(N) * Vp;
@@ -172,13 +172,13 @@ void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int
   for (auto& t : targets) t = static_cast<int32_t>(rng.below(V));
   int32_t* d_targets = pool.upload(targets);
   bf16* wte = pool.random<bf16>(static_cast<size_t>(Vp) * C, 0.02f);
-  bf16* wpe = gpt2 ? pool.random<bf16>(static_cast<size_t>(T) * C, 0.02f) : nullptr;
+  bf16* wpe = learned_positions ? pool.random<bf16>(static_cast<size_t>(T) * C, 0.02f) : nullptr;
   bf16* x = pool.alloc<bf16>(NC);
-  const double pos_bytes = gpt2 ? static_cast<double>(T) * C * 2 : 0.0;
+  const double pos_bytes = learned_positions ? static_cast<double>(T) * C * 2 : 0.0;
   report(name, "embedding_forward", 4.0 * N + 2.0 * NC * 2 + pos_bytes, token_sets,
          [&](int s) { uf::embedding_forward(x, d_tokens[s], wte, wpe, B, T, C, 0); });
   float* dwte = pool.alloc<float>(static_cast<size_t>(Vp) * C);
-  float* dwpe = gpt2 ? pool.alloc<float>(static_cast<size_t>(T) * C) : nullptr;
+  float* dwpe = learned_positions ? pool.alloc<float>(static_cast<size_t>(T) * C) : nullptr;
   const auto dx = random_sets(token_sets, NC);
   report(name, "embedding_backward (" + std::to_string(num_buckets[0]) + " ids)",
          4.0 * (3 * N + 1) + NC * 2.0 + 8.0 * num_buckets[0] * C + 4.0 * pos_bytes, token_sets, [&](int s) {
@@ -196,18 +196,18 @@ void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int
   float* dw = pool.alloc<float>(C);
   float* db = pool.alloc<float>(C);
   bf16* dres = pool.random<bf16>(NC);
-  const std::string norm = gpt2 ? "layernorm" : "rmsnorm";
-  report(name, norm + "_forward", 2.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, static_cast<int>(h.size()),
+  const std::string norm = layer_norm ? "layernorm" : "rmsnorm";
+  report(name, norm + "_forward", 2.0 * NC * 2 + (layer_norm ? 8.0 : 4.0) * N, static_cast<int>(h.size()),
          [&](int s) {
-           if (gpt2)
+           if (layer_norm)
              uf::layernorm_forward(y, mean, rstd, h[s], w, b, N, C, 1e-5f, 0);
            else
              uf::rmsnorm_forward(y, rstd, h[s], w, N, C, 1e-5f, 0);
          });
   const int pair_sets = static_cast<int>(std::min(h.size(), dy.size()));
-  report(name, norm + "_backward (+= dres, dw, db)", 4.0 * NC * 2 + (gpt2 ? 8.0 : 4.0) * N, pair_sets,
+  report(name, norm + "_backward (+= dres, dw, db)", 4.0 * NC * 2 + (layer_norm ? 8.0 : 4.0) * N, pair_sets,
          [&](int s) {
-           if (gpt2)
+           if (layer_norm)
              uf::layernorm_backward(dres, dw, db, dy[s], h[s], w, mean, rstd, N, C, true, norm_partials, ws, 0);
            else
              uf::rmsnorm_backward(dres, dw, dy[s], h[s], w, rstd, N, C, true, norm_partials, ws, 0);
@@ -220,7 +220,7 @@ void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int
   const int mlp_sets = static_cast<int>(std::min(up.size(), d_act.size()));
   bf16* act = pool.alloc<bf16>(NF);
   bf16* d_up = pool.alloc<bf16>(static_cast<size_t>(N) * U);
-  if (gpt2) {
+  if (c.mlp_bias) {
     bf16* bias = pool.random<bf16>(F);
     float* dbias = pool.alloc<float>(F);
     const auto small = random_sets(input_sets(NC * 2.0), NC);
@@ -234,6 +234,8 @@ void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int
            [&](int s) { uf::column_sum(dbias, d_act[s], N, Q, Q, ws, 0); });
     report(name, "bias_grad [N, 768]", NC * 2.0, static_cast<int>(small.size()),
            [&](int s) { uf::column_sum(dbias, small[s], N, C, C, ws, 0); });
+  }
+  if (c.mlp == coda::Mlp::Gelu) {
     report(name, "gelu_forward", 2.0 * NF * 2, static_cast<int>(up.size()),
            [&](int s) { uf::gelu_forward(act, up[s], NF, 0); });
     report(name, "gelu_backward", 3.0 * NF * 2, mlp_sets,
@@ -243,6 +245,8 @@ void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int
            [&](int s) { uf::swiglu_forward(act, up[s], N, F, 0); });
     report(name, "swiglu_backward", 5.0 * NF * 2, mlp_sets,
            [&](int s) { uf::swiglu_backward(d_up, d_act[s], up[s], N, F, 0); });
+  }
+  if (c.rope()) {
     const std::vector<float2> table = uf::rope_table(T, hd, c.rope_theta);
     float2* d_table = pool.upload(table);
     const double rotated = static_cast<double>(N) * (c.n_head + c.n_kv_head) * hd;
@@ -283,14 +287,16 @@ void bench_optimizer(const std::string& name, const coda::ModelConfig& c) {
 
 coda::ModelConfig gpt2_124m() {
   coda::ModelConfig c;
-  c.arch = coda::Arch::GPT2, c.n_layer = 12, c.d_model = 768, c.n_head = 12, c.n_kv_head = 12, c.d_ff = 3072;
+  c.set_arch(coda::Arch::GPT2);
+  c.n_layer = 12, c.d_model = 768, c.n_head = 12, c.n_kv_head = 12, c.d_ff = 3072;
   c.vocab_size = 50257, c.max_seq_len = 1024;
   return c;
 }
 
 coda::ModelConfig llama_1b() {
   coda::ModelConfig c;
-  c.arch = coda::Arch::Llama, c.n_layer = 16, c.d_model = 2048, c.n_head = 32, c.n_kv_head = 8, c.d_ff = 8192;
+  c.set_arch(coda::Arch::Llama);
+  c.n_layer = 16, c.d_model = 2048, c.n_head = 32, c.n_kv_head = 8, c.d_ff = 8192;
   c.vocab_size = 128256, c.max_seq_len = 2048, c.rope_theta = 500000.0f;
   return c;
 }

@@ -18,6 +18,7 @@
 
 #include "checkpoint.hpp"
 #include "model.hpp"
+#include "ref_ops.hpp"
 #include "rng.hpp"
 #include "safetensors.hpp"
 #include "tests/test_util.hpp"
@@ -34,7 +35,7 @@ namespace {
 
 ModelConfig gpt2_config() {
   ModelConfig c;
-  c.arch = Arch::GPT2;
+  c.set_arch(Arch::GPT2);
   c.n_layer = 2;
   c.d_model = 48;
   c.n_head = 3;
@@ -48,7 +49,7 @@ ModelConfig gpt2_config() {
 
 ModelConfig llama_config(bool tied) {
   ModelConfig c;
-  c.arch = Arch::Llama;
+  c.set_arch(Arch::Llama);
   c.n_layer = 2;
   c.d_model = 64;
   c.n_head = 4;
@@ -59,6 +60,13 @@ ModelConfig llama_config(bool tied) {
   c.rope_theta = 500000.0f;
   c.norm_eps = 1e-6f;
   c.tied_head = tied;
+  return c;
+}
+
+ModelConfig qwen2_config(bool tied) {
+  ModelConfig c = llama_config(tied);
+  c.set_arch(Arch::Qwen2);
+  c.rope_theta = 1e6f;
   return c;
 }
 
@@ -106,7 +114,9 @@ void expect_same_config(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.max_seq_len, b.max_seq_len);
   EXPECT_EQ(a.norm_eps, b.norm_eps);
   EXPECT_EQ(a.tied_head, b.tied_head);
-  if (a.arch == Arch::Llama) {
+  EXPECT_EQ(a.arch, b.arch);
+  EXPECT_EQ(a.qkv_bias, b.qkv_bias);
+  if (a.rope()) {
     EXPECT_EQ(a.rope_theta, b.rope_theta);
   }
 }
@@ -327,6 +337,14 @@ TEST(Checkpoint, RoundTripLlamaTied) {
   expect_round_trip(tmp / "ck", s);
 }
 
+TEST(Checkpoint, RoundTripQwen2TiedAndUntied) {
+  for (bool tied : {true, false}) {
+    TempDir tmp("coda_ckpt");
+    const Saved s = save_random(tmp / "ck", qwen2_config(tied), tied ? 14 : 15);
+    expect_round_trip(tmp / "ck", s);
+  }
+}
+
 TEST(Checkpoint, Gpt2UsesHfLayout) {
   TempDir tmp("coda_ckpt");
   const std::string dir = tmp / "ck";
@@ -505,6 +523,98 @@ TEST(Checkpoint, LoadsShardedHfLlama) {
   EXPECT_FALSE(loaded.has_trainer_state);
   expect_same_config(loaded.model, s.config);
   EXPECT_TRUE(same_bits(loaded.params, s.params));
+}
+
+// A Qwen2 directory as transformers writes it (Qwen2ForCausalLM: config.json with its own keys and no
+// head_dim, BF16 tensors, q/k/v biases), loaded, then checked with HF's own math: q = x Wq^T + bq rotated
+// by rotate-half RoPE over the HF tensors must be our qkv (bias, then our adjacent-pair RoPE) at the
+// permuted rows, for the q and the k heads.
+TEST(Checkpoint, LoadsHfQwen2AndMatchesHfRopeWithBias) {
+  TempDir tmp("coda_ckpt");
+  const ModelConfig c = qwen2_config(true);
+  save_random(tmp / "ours", c, 33);
+  const SafetensorsFile ours(tmp / "ours/model.safetensors");
+  const std::string dir = tmp / "hf";
+  fs::create_directories(dir);
+  std::vector<coda::SafetensorsOutput> tensors;
+  for (const auto& item : ours.tensors()) {
+    std::vector<float> values = ours.read(item.first);
+    for (float& x : values) {
+      const uint32_t word = static_cast<uint32_t>(to_bf16_bits(x)) << 16;
+      std::memcpy(&x, &word, 4);
+    }
+    tensors.push_back({item.first, item.second.shape,
+                       [values](float* out) { std::memcpy(out, values.data(), values.size() * 4); }});
+  }
+  coda::write_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  const nlohmann::json config = {{"architectures", {"Qwen2ForCausalLM"}},
+                                 {"attention_dropout", 0.0},
+                                 {"bos_token_id", 151643},
+                                 {"eos_token_id", 151643},
+                                 {"hidden_act", "silu"},
+                                 {"hidden_size", c.d_model},
+                                 {"initializer_range", 0.02},
+                                 {"intermediate_size", c.d_ff},
+                                 {"max_position_embeddings", c.max_seq_len},
+                                 {"max_window_layers", 21},
+                                 {"model_type", "qwen2"},
+                                 {"num_attention_heads", c.n_head},
+                                 {"num_hidden_layers", c.n_layer},
+                                 {"num_key_value_heads", c.n_kv_head},
+                                 {"rms_norm_eps", 1e-06},
+                                 {"rope_scaling", nullptr},
+                                 {"rope_theta", 1000000.0},
+                                 {"sliding_window", 32768},
+                                 {"tie_word_embeddings", true},
+                                 {"torch_dtype", "bfloat16"},
+                                 {"transformers_version", "4.43.1"},
+                                 {"use_cache", true},
+                                 {"use_sliding_window", false},
+                                 {"vocab_size", c.vocab_size}};
+  std::ofstream(dir + "/config.json") << config.dump(2);
+  const Checkpoint loaded = coda::load_checkpoint(dir);
+  expect_same_config(loaded.model, c);
+  ASSERT_TRUE(loaded.model.qkv_bias);
+
+  const coda::ParamLayout layout = coda::make_param_layout(c);
+  const coda::LayerParams& lp = layout.layers[1];
+  const SafetensorsFile hf(dir + "/model.safetensors");
+  const int C = c.d_model, hd = c.head_dim(), Q = c.qkv_dim(), T = 6, p = T - 1;
+  const std::vector<float> x = random_vector(static_cast<size_t>(T) * C, 34, false);
+  std::vector<float> qkv(static_cast<size_t>(T) * Q);
+  coda::ref::matmul_forward(qkv.data(), x.data(), loaded.params.data() + lp.qkv_w, loaded.params.data() + lp.qkv_b, T,
+                            C, Q);
+  coda::ref::rope_forward(qkv.data(), 1, T, c.n_head, c.n_kv_head, hd, c.rope_theta);
+  struct Projection {
+    const char* name;
+    int heads, first_col;
+  };
+  for (const Projection& proj : {Projection{"q_proj", c.n_head, 0}, Projection{"k_proj", c.n_kv_head, c.n_head * hd}}) {
+    const std::string prefix = std::string("model.layers.1.self_attn.") + proj.name;
+    const std::vector<float> w = hf.read(prefix + ".weight"), b = hf.read(prefix + ".bias");
+    const int rows = proj.heads * hd;
+    std::vector<double> y(rows);
+    for (int r = 0; r < rows; ++r) {
+      y[r] = b[r];
+      for (int k = 0; k < C; ++k) y[r] += static_cast<double>(w[static_cast<size_t>(r) * C + k]) * x[p * C + k];
+    }
+    for (int head = 0; head < proj.heads; ++head)
+      for (int i = 0; i < hd / 2; ++i) {
+        const double angle = p * std::pow(static_cast<double>(c.rope_theta), -2.0 * i / hd);
+        const double a = y[head * hd + i], bb = y[head * hd + hd / 2 + i];
+        const double hf_out[2] = {a * std::cos(angle) - bb * std::sin(angle), bb * std::cos(angle) + a * std::sin(angle)};
+        for (int half = 0; half < 2; ++half) {
+          const float our = qkv[static_cast<size_t>(p) * Q + proj.first_col + head * hd + 2 * i + half];
+          EXPECT_NEAR(our, hf_out[half], 1e-4 * (1.0 + std::abs(hf_out[half])))
+              << proj.name << " head " << head << " pair " << i << " half " << half;
+        }
+      }
+  }
+
+  nlohmann::json sliding = config;
+  sliding["use_sliding_window"] = true;
+  std::ofstream(dir + "/config.json") << sliding.dump();
+  expect_error([&] { coda::load_checkpoint(dir); }, {dir + "/config.json", "use_sliding_window"});
 }
 
 TEST(Checkpoint, ErrorsNameTheFile) {

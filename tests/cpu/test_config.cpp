@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "config.hpp"
+#include "model.hpp"
 #include "kernels/cuda_check.cuh"
 #include "rng.hpp"
 #include "tests/test_util.hpp"
@@ -49,7 +50,7 @@ void write_text(const fs::path& path, const std::string& text) {
 coda::RunConfig random_config(uint64_t seed) {
   coda::Rng rng(seed);
   coda::RunConfig c;
-  c.model.arch = coda::Arch::Llama;
+  c.model.set_arch(coda::Arch::Llama);
   c.model.n_head = 2 + 2 * static_cast<int>(rng.below(4));
   c.model.n_kv_head = c.model.n_head / 2;
   c.model.d_model = c.model.n_head * 2 * (4 + static_cast<int>(rng.below(8)));
@@ -197,6 +198,37 @@ TEST(Config, KeysAtTheTopLevelAreAccepted) {
   const coda::RunConfig c = coda::parse_config_text("n_layer = 4\nlr = 0.25\n", "top");
   EXPECT_EQ(c.model.n_layer, 4);
   EXPECT_EQ(c.lr, 0.25f);
+}
+
+// Every shipped config resolves, and `arch` alone picks the model's features (the architectures' files,
+// src/models/): a Qwen2 config is RMSNorm + SwiGLU + RoPE with the QKV bias and no other.
+TEST(Config, ShippedConfigsGetTheirArchitecturesFeatures) {
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(fs::path(CODA_SOURCE_DIR) / "configs")) {
+    const coda::RunConfig c = coda::resolve_config(key_factory(), entry.path().string(), {});
+    const coda::ModelConfig expected = coda::model_config(c.model.arch);
+    EXPECT_EQ(c.model.norm, expected.norm) << entry.path();
+    EXPECT_EQ(c.model.mlp, expected.mlp) << entry.path();
+    EXPECT_EQ(c.model.positions, expected.positions) << entry.path();
+    EXPECT_EQ(c.model.qkv_bias, expected.qkv_bias) << entry.path();
+    EXPECT_EQ(c.model.proj_bias, expected.proj_bias) << entry.path();
+    EXPECT_EQ(c.model.mlp_bias, expected.mlp_bias) << entry.path();
+    if (c.model.arch == coda::Arch::Qwen2) {
+      EXPECT_EQ(c.model.norm, coda::Norm::RMS);
+      EXPECT_TRUE(c.model.qkv_bias && !c.model.proj_bias && !c.model.mlp_bias);
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2);  // tiny-qwen2.toml and qwen2.5-0.5b.toml
+  // A model whose features are not its architecture's is refused, naming the feature.
+  coda::ModelConfig mixed = coda::model_config(coda::Arch::Llama);
+  mixed.qkv_bias = true;
+  try {
+    mixed.validate();
+    ADD_FAILURE() << "a llama with a QKV bias validated";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("QKV bias"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Config, HelpListsEveryKeyWithItsDefault) {

@@ -288,7 +288,7 @@ TEST(Launch, InitDistributedRefusesMoreRanksThanGpus) {
 
 ModelConfig gpt2_124m() {
   ModelConfig c;
-  c.arch = Arch::GPT2;
+  c.set_arch(Arch::GPT2);
   c.n_layer = 12;
   c.d_model = 768;
   c.n_head = 12;
@@ -301,7 +301,7 @@ ModelConfig gpt2_124m() {
 
 ModelConfig llama32_1b() {
   ModelConfig c;
-  c.arch = Arch::Llama;
+  c.set_arch(Arch::Llama);
   c.n_layer = 16;
   c.d_model = 2048;
   c.n_head = 32;
@@ -323,7 +323,7 @@ std::vector<ModelConfig> test_configs() {
   Rng rng(11);
   for (int i = 0; i < 12; ++i) {
     ModelConfig c;
-    c.arch = i % 2 == 0 ? Arch::GPT2 : Arch::Llama;
+    c.set_arch(i % 2 == 0 ? Arch::GPT2 : Arch::Llama);
     c.n_head = 1 << (rng.next_u64() % 3);
     c.n_kv_head = c.arch == Arch::GPT2 ? c.n_head : std::max(1, c.n_head >> (rng.next_u64() % 2));
     c.d_model = c.n_head * 2 * static_cast<int>(1 + rng.next_u64() % 20);

@@ -30,7 +30,7 @@ namespace ref = coda::ref;
 
 ModelConfig gpt2_config() {
   ModelConfig c;
-  c.arch = Arch::GPT2;
+  c.set_arch(Arch::GPT2);
   c.n_layer = 2;
   c.d_model = 32;
   c.n_head = 4;
@@ -43,7 +43,7 @@ ModelConfig gpt2_config() {
 
 ModelConfig llama_config() {
   ModelConfig c;
-  c.arch = Arch::Llama;
+  c.set_arch(Arch::Llama);
   c.n_layer = 2;
   c.d_model = 32;
   c.n_head = 4;
@@ -53,6 +53,15 @@ ModelConfig llama_config() {
   c.max_seq_len = 16;
   c.rope_theta = 1000.0f;
   c.tied_head = false;
+  return c;
+}
+
+// Llama's shape with Qwen2's features (the QKV bias), its RoPE base and a tied head.
+ModelConfig qwen2_config() {
+  ModelConfig c = llama_config();
+  c.set_arch(Arch::Qwen2);
+  c.rope_theta = 1e6f;
+  c.tied_head = true;
   return c;
 }
 
@@ -115,10 +124,12 @@ void check_model_gradient(const ModelConfig& config, uint64_t seed) {
 
 TEST(RefModel, Gpt2GradientMatchesFiniteDifferences) { check_model_gradient(gpt2_config(), 21); }
 TEST(RefModel, LlamaGqaUntiedGradientMatchesFiniteDifferences) { check_model_gradient(llama_config(), 22); }
+// Qwen2: RMSNorm, SwiGLU, RoPE and a bias on q, k and v (added before the rotation), tied head.
+TEST(RefModel, Qwen2QkvBiasGradientMatchesFiniteDifferences) { check_model_gradient(qwen2_config(), 24); }
 
 // Padded vocabulary rows and the alignment padding between tensors never receive gradient.
 TEST(RefModel, PaddingGetsNoGradient) {
-  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
     Rng rng(23);
     ref::RefModel model(config, 2, 7);
     randomize(model, rng);
@@ -144,7 +155,7 @@ TEST(RefModel, PaddingGetsNoGradient) {
 
 // The logits of position t depend on tokens 0..t only.
 TEST(RefModel, Causal) {
-  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
     Rng rng(24);
     const int B = 2, T = 7, Vp = config.padded_vocab();
     ref::RefModel model(config, B, T);
@@ -164,7 +175,7 @@ TEST(RefModel, Causal) {
 }
 
 TEST(RefModel, SameSeedIsBitIdentical) {
-  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
     const int B = 2, T = 7;
     Rng rng(25);
     const Batch batch = random_batch(B, T, config.vocab_size, rng);
@@ -325,7 +336,7 @@ TEST(AdamW, MatchesHandComputedUpdate) {
 
 // A few AdamW steps on one fixed batch must fit it: the loss falls well below its starting value.
 TEST(CpuBackend, AdamWStepsLowerTheLossOnAFixedBatch) {
-  for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
     const int B = 2, T = 7;
     Rng rng(28);
     const Batch batch = random_batch(B, T, config.vocab_size, rng);

@@ -137,7 +137,7 @@ class Training : public testing::Test {
   // A tiny model of either architecture on the prepared corpus.
   static coda::RunConfig tiny(coda::Arch arch, const std::string& out) {
     coda::RunConfig c;
-    c.model.arch = arch;
+    c.model.set_arch(arch);
     c.model.n_layer = 2;
     c.model.d_model = 64;
     c.model.n_head = 4;

@@ -40,7 +40,7 @@ std::vector<ParamLayout> test_layouts() {
   gpt2.vocab_size = 1000;
   layouts.push_back(make_param_layout(gpt2));
   ModelConfig llama = gpt2;
-  llama.arch = Arch::Llama;
+  llama.set_arch(Arch::Llama);
   llama.n_kv_head = 1;
   llama.d_ff = 200;
   llama.tied_head = false;

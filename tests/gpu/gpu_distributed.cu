@@ -86,7 +86,7 @@ std::vector<float> download(const float* device, size_t count) {
 
 ModelConfig small_llama() {
   ModelConfig c;
-  c.arch = Arch::Llama;
+  c.set_arch(Arch::Llama);
   c.n_layer = 3;
   c.d_model = 192;
   c.n_head = 6;
@@ -241,7 +241,7 @@ TEST(Communicator, BackendAveragesGradientsDuringBackward) {
   const int B = 2, T = 64;
   for (Arch arch : {Arch::GPT2, Arch::Llama}) {
     ModelConfig model;  // head_dim 64, as the attention kernels need
-    model.arch = arch;
+    model.set_arch(arch);
     model.n_layer = 3;
     model.d_model = 128;
     model.n_head = 2;
@@ -305,7 +305,7 @@ TEST(Communicator, BackendAveragesGradientsDuringBackward) {
 // A model whose attention the kernels take (head_dim 64).
 ModelConfig zero1_model(Arch arch, int T, int n_layer, int d_model, int vocab_size) {
   ModelConfig model;
-  model.arch = arch;
+  model.set_arch(arch);
   model.n_layer = n_layer;
   model.d_model = d_model;
   model.n_head = d_model / 64;

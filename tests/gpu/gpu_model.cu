@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "src/backend.hpp"
-#include "src/coda_backend.hpp"
+#include "src/cuda_backend.hpp"
 #include "src/model.hpp"
 #include "src/rng.hpp"
 #include "tests/gpu_test_util.cuh"
@@ -31,14 +31,15 @@ using coda::test::rel_error;
 
 coda::ModelConfig tiny_model(coda::Arch arch) {
   coda::ModelConfig c;
-  c.arch = arch;
+  c.set_arch(arch);
   c.n_layer = 2;
   c.vocab_size = 300;  // padded to 384
   c.max_seq_len = 64;
   if (arch == coda::Arch::GPT2) {
     c.d_model = 128, c.n_head = 2, c.n_kv_head = 2, c.d_ff = 512;
-  } else {
-    c.d_model = 256, c.n_head = 4, c.n_kv_head = 2, c.d_ff = 344, c.tied_head = false;
+  } else {  // Llama untied; Qwen2 (its QKV bias before RoPE) tied, with its RoPE base
+    c.d_model = 256, c.n_head = 4, c.n_kv_head = 2, c.d_ff = 344, c.tied_head = arch == coda::Arch::Qwen2;
+    if (arch == coda::Arch::Qwen2) c.rope_theta = 1e6f;
   }
   return c;
 }
@@ -195,7 +196,7 @@ TEST_P(GpuModel, FiftyStepsTrackTheCpuLossCurve) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ArchMode, GpuModel,
-                         ::testing::Combine(::testing::Values(coda::Arch::GPT2, coda::Arch::Llama),
+                         ::testing::Combine(::testing::Values(coda::Arch::GPT2, coda::Arch::Llama, coda::Arch::Qwen2),
                                             ::testing::Values(std::string("unfused"), std::string("coda"))),
                          [](const auto& info) {
                            return std::string(coda::arch_name(std::get<0>(info.param))) + "_" +

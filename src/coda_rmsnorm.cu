@@ -1,6 +1,6 @@
-// The Llama CODA mode: every RMSNorm, RoPE, SwiGLU, residual add and the loss of a Llama model run in the
-// epilogues of its GEMMs (kernels/coda/llama_programs.cuh), next to the attention kernels and the passes of
-// kernels/coda/fused.cuh. Buffers as in coda_backend.hpp. Six program types, each one GEMM kernel
+// The CODA mode of the RMSNorm family (Llama): every RMSNorm, RoPE, SwiGLU, residual add and the loss run
+// in the epilogues of its GEMMs (kernels/coda/llama_programs.cuh), next to the attention kernels and the
+// passes of kernels/coda/fused.cuh. Buffers as in coda_runner.hpp. Six program types, each one GEMM kernel
 // instantiation per tile: qkv, residual (out-proj and down), gate/up, LM head, norm backward (head, gate/up
 // and QKV dgrads), SwiGLU backward. Gradients travel scaled (dz' = r dz, fused.cuh).
 // Details: docs/CODA.md, "Llama"; the program of each GEMM above block_forward and block_backward below.
@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "coda_backend.hpp"
+#include "coda_runner.hpp"
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/llama_programs.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
@@ -24,9 +24,9 @@ using prog::llama::qkv_program;
 using prog::llama::residual_program;
 using prog::llama::swiglu_backward_program;
 
-class CodaLlamaBackend : public CodaBackend {
+class CodaRmsNormRunner : public CodaRunner {
  public:
-  CodaLlamaBackend(const ModelConfig& config, int max_batch, int max_seq_len);
+  explicit CodaRmsNormRunner(DeviceState& state);
 
  protected:
   void plan_buffers(ArenaPlan& plan) override;
@@ -46,17 +46,20 @@ class CodaLlamaBackend : public CodaBackend {
   float* dgamma_partials_ = nullptr;   // column partials of a gamma gradient [N / 16, C]
 };
 
-CodaLlamaBackend::CodaLlamaBackend(const ModelConfig& config, int max_batch, int max_seq_len)
-    : CodaBackend(config, max_batch, max_seq_len) {
-  const int hd = config.head_dim();
+CodaRmsNormRunner::CodaRmsNormRunner(DeviceState& state) : CodaRunner(state) {
+  const std::string family = "RMSNorm";
+  require_feature(config_.mlp == Mlp::SwiGLU, family, "SwiGLU");
+  require_feature(config_.rope(), family, "RoPE positions");
+  require_feature(!config_.qkv_bias && !config_.proj_bias && !config_.mlp_bias, family, "projections without bias");
+  const int hd = config_.head_dim();
   if (hd != 64 && hd != 128)
     throw std::invalid_argument("kernels coda: the RoPE epilogue is built for head_dim 64 and 128 (the attention "
                                 "kernels' head sizes), got " + std::to_string(hd) + " (d_model / n_head)");
 }
 
-void CodaLlamaBackend::plan_buffers(ArenaPlan& plan) {
-  CodaBackend::plan_buffers(plan);
-  const size_t N = static_cast<size_t>(max_batch_) * max_seq_len_;
+void CodaRmsNormRunner::plan_buffers(ArenaPlan& plan) {
+  CodaRunner::plan_buffers(plan);
+  const size_t N = max_rows();
   const std::string group = "coda backward partials";
   plan.reserve(&dot_z_, N * max_row_partials(config_.d_ff), group);
   plan.reserve(&dgamma_partials_, static_cast<size_t>(prog::column_partial_groups(static_cast<int>(N))) *
@@ -67,14 +70,14 @@ void CodaLlamaBackend::plan_buffers(ArenaPlan& plan) {
 // its norm1 statistics and O1 = h (.) gamma1 already written by the embedding or the previous layer's down
 // projection):
 //   QKV       qkv = rope(r1 (O1 Wqkv^T))                                           -> attention
-//   out-proj  h2 = attn Wo^T + h: aux h2 (mid), h2^2 partials (norm2), main O2 = h2 (.) gamma2
+//   out-proj  h2 = attn Wo^T + h: aux h2, h2^2 partials (norm2), main O2 = h2 (.) gamma2
 //   gate/up   (g, u) = r2 (O2 Wgu^T): aux gu (up), main act = silu(g) u
-//   down      h' = act Wdown^T + h2: aux h' (next input), h'^2 partials, main O' = h' (.) gamma' (gamma of
+//   down      h' = act Wdown^T + h2: aux h' (the next layer's h), h'^2 partials, main O' = h' (.) gamma' (gamma of
 //             the next layer's norm1, or of the final norm after the last layer)
 // Head: logits = rf (Of Wv^T), the target logit and log-sum-exp partials over the columns < vocab.
-void CodaLlamaBackend::block_forward(int layer, int B, int T) {
+void CodaRmsNormRunner::block_forward(int layer, int B, int T) {
   const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
-  LayerActivations& a = acts_.layers[layer];
+  LayerActivations& a = layers_[layer];
   const LayerParams& p = layout_.layers[layer];
   const bool last = layer + 1 == config_.n_layer;
   NormStatsBuffers& stats2 = norm2_stats_[layer];
@@ -82,7 +85,7 @@ void CodaLlamaBackend::block_forward(int layer, int B, int T) {
   const GemmTile tile = GemmTile::Auto;
 
   auto qkv = [&](auto rope) {
-    gemm_run<GemmLayout::Forward>(tile, a.qkv, a.norm1, weight(p.qkv_w), N, Q, C, false,
+    gemm_run<GemmLayout::Forward>(tile, a.qkv, a.o1, weight(p.qkv_w), N, Q, C, false,
                                   qkv_program(norm_partials(norm1_stats_[layer]), rope), stream_);
   };
   const int rot_cols = (config_.n_head + config_.n_kv_head) * config_.head_dim();
@@ -92,34 +95,34 @@ void CodaLlamaBackend::block_forward(int layer, int B, int T) {
   else
     qkv(epi::Rope<128>{T, rot_cols, log2_theta});
   attention_forward(a.attn, a.lse, a.qkv, attention_shape(B, T), stream_);
-  gemm_run<GemmLayout::Forward>(tile, a.norm2, a.attn, weight(p.attn_proj_w), N, C, C, false,
-                                residual_program(a.input, a.mid, C, weight(p.norm2_w), stats2.sumsq), stream_);
+  gemm_run<GemmLayout::Forward>(tile, a.o2, a.attn, weight(p.attn_proj_w), N, C, C, false,
+                                residual_program(a.h, a.h2, C, weight(p.norm2_w), stats2.sumsq), stream_);
   stats2.count = row_partials(GemmLayout::Forward, N, C, C);
-  gemm_run<GemmLayout::Forward>(tile, a.act, a.norm2, weight(p.mlp_up_w), N, 2 * F, C, false,
+  gemm_run<GemmLayout::Forward>(tile, a.act, a.o2, weight(p.mlp_up_w), N, 2 * F, C, false,
                                 prog::llama::gate_up_program(norm_partials(stats2), a.up, 2 * F), stream_);
-  bf16* O_next = last ? acts_.normf : acts_.layers[layer + 1].norm1;
+  bf16* O_next = last ? o_final_ : layers_[layer + 1].o1;
   const size_t gamma_next = last ? layout_.normf_w : layout_.layers[layer + 1].norm1_w;
   gemm_run<GemmLayout::Forward>(tile, O_next, a.act, weight(p.mlp_down_w), N, C, F, false,
-                                residual_program(a.mid, layer_output(layer), C, weight(gamma_next), next.sumsq),
+                                residual_program(a.h2, layer_output(layer), C, weight(gamma_next), next.sumsq),
                                 stream_);
   next.count = row_partials(GemmLayout::Forward, N, C, F);
 }
 
-void CodaLlamaBackend::head_forward(int B, int T) {
+void CodaRmsNormRunner::head_forward(int B, int T) {
   const int N = B * T, C = config_.d_model, Vp = config_.padded_vocab();
-  gemm_run<GemmLayout::Forward>(GemmTile::Auto, acts_.logits, acts_.normf, weight(layout_.head_weight()), N, Vp, C,
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, io.logits, o_final_, weight(layout_.head_weight()), N, Vp, C,
                                 false,
-                                lm_head_program(norm_partials(normf_stats_), acts_.targets, target_logit_,
+                                lm_head_program(norm_partials(normf_stats_), io.targets, target_logit_,
                                                 lse_partials_, config_.vocab_size),
                                 stream_);
   lse_count_ = row_partials(GemmLayout::Forward, N, Vp, C);
 }
 
-void CodaLlamaBackend::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int N, int K,
+void CodaRmsNormRunner::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int N, int K,
                                            const NormStatsBuffers& stats, int dot_count, const bf16* h, size_t gamma,
                                            bool accumulate) {
   const int C = config_.d_model;
-  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(w), N, C, K, accumulate,
+  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_residual_, dz_scaled, weight(w), N, C, K, accumulate,
                               norm_backward_program(norm_partials(stats), dot_z_, dot_count, h, C, weight(gamma),
                                                     dgamma_partials_),
                               stream_);
@@ -134,45 +137,45 @@ void CodaLlamaBackend::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int 
 //   out-proj  plain dgrad d_attn = d_residual Wo; wgrad += d_residual^T attn
 //   attention backward with the write-out: inverse RoPE, <dz, qkv>, d_qkv' = r1 dz
 //   QKV       dgrad d_residual += norm1 backward of d_qkv' Wqkv; wgrad += d_qkv'^T O1; gamma1
-void CodaLlamaBackend::head_backward(int B, int T, float dloss) {
+void CodaRmsNormRunner::head_backward(int B, int T, float dloss) {
   const int N = B * T, C = config_.d_model, Vp = config_.padded_vocab();
   fused::dlogits(dlogits_args(N, dloss, dot_z_), stream_);
-  norm_backward_dgrad(acts_.logits, layout_.head_weight(), N, Vp, normf_stats_, 1, acts_.output, layout_.normf_w,
+  norm_backward_dgrad(io.logits, layout_.head_weight(), N, Vp, normf_stats_, 1, h_final_, layout_.normf_w,
                       false);
-  gemm_wgrad(grad(layout_.head_weight()), acts_.logits, acts_.normf, Vp, C, N, true, stream_);
+  gemm_wgrad(grad(layout_.head_weight()), io.logits, o_final_, Vp, C, N, true, stream_);
 }
 
-void CodaLlamaBackend::block_backward(int layer, int B, int T) {
+void CodaRmsNormRunner::block_backward(int layer, int B, int T) {
   const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
-  const LayerActivations& a = acts_.layers[layer];
+  const LayerActivations& a = layers_[layer];
   const LayerParams& p = layout_.layers[layer];
   const NormStatsBuffers& stats1 = norm1_stats_[layer];
   const NormStatsBuffers& stats2 = norm2_stats_[layer];
-  bf16* d_residual = scratch_.d_residual;  // holds the gradient of this layer's output
+  bf16* d_residual = d_residual_;  // holds the gradient of this layer's output
 
-  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_up, d_residual, weight(p.mlp_down_w), N, F, C, false,
+  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_up_, d_residual, weight(p.mlp_down_w), N, F, C, false,
                               swiglu_backward_program(a.up, 2 * F, norm_partials(stats2), dot_z_), stream_);
   gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
-  norm_backward_dgrad(scratch_.d_up, p.mlp_up_w, N, 2 * F, stats2, row_partials(GemmLayout::Dgrad, N, F, C), a.mid,
+  norm_backward_dgrad(d_up_, p.mlp_up_w, N, 2 * F, stats2, row_partials(GemmLayout::Dgrad, N, F, C), a.h2,
                       p.norm2_w, true);
-  gemm_wgrad(grad(p.mlp_up_w), scratch_.d_up, a.norm2, 2 * F, C, N, true, stream_);
+  gemm_wgrad(grad(p.mlp_up_w), d_up_, a.o2, 2 * F, C, N, true, stream_);
 
-  gemm_dgrad(scratch_.d_attn, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
+  gemm_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
   gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
   AttentionWriteout writeout;
   writeout.rope_theta = config_.rope_theta;
   writeout.stats = norm_partials(stats1);
   writeout.dot_z = dot_z_;
-  attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
+  attention_backward(d_qkv_, d_attn_, a.qkv, a.attn, a.lse, attention_workspace_,
                      attention_shape(B, T), stream_, &writeout);
-  norm_backward_dgrad(scratch_.d_qkv, p.qkv_w, N, Q, stats1, 1, a.input, p.norm1_w, true);
-  gemm_wgrad(grad(p.qkv_w), scratch_.d_qkv, a.norm1, Q, C, N, true, stream_);
+  norm_backward_dgrad(d_qkv_, p.qkv_w, N, Q, stats1, 1, a.h, p.norm1_w, true);
+  gemm_wgrad(grad(p.qkv_w), d_qkv_, a.o1, Q, C, N, true, stream_);
 }
 
 }  // namespace
 
-std::unique_ptr<CudaBackend> make_coda_llama_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
-  return std::make_unique<CodaLlamaBackend>(config, max_batch, max_seq_len);
+std::unique_ptr<StepRunner> make_coda_rmsnorm_runner(DeviceState& state) {
+  return std::make_unique<CodaRmsNormRunner>(state);
 }
 
 }  // namespace coda

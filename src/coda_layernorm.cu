@@ -1,9 +1,9 @@
-// The GPT-2 CODA mode: every LayerNorm, bias, GELU, residual add and the loss of a GPT-2 model run in the
-// epilogues of its GEMMs (kernels/coda/gpt2_programs.cuh), next to the attention kernels and the passes of
-// kernels/coda/fused.cuh. Buffers as in coda_backend.hpp. LayerNorm is reparameterized through the weight
+// The CODA mode of the LayerNorm family (GPT-2): every LayerNorm, bias, GELU, residual add and the loss run
+// in the epilogues of its GEMMs (kernels/coda/gpt2_programs.cuh), next to the attention kernels and the
+// passes of kernels/coda/fused.cuh. Buffers as in coda_runner.hpp. LayerNorm is reparameterized through the weight
 // vectors c = W gamma, b' = W beta + bias; gradients travel scaled (dz' = r dz) and the weight gradients of
 // normed layers read u / r, which the LayerNorm-backward dgrad stores. Every piece finishes its own layer's
-// gradients, so the data-parallel bucket overlap of CudaBackend holds.
+// gradients, so the data-parallel bucket overlap of CudaBackend holds (step_runner.hpp).
 // Details: docs/CODA.md, "GPT-2"; the program of each GEMM above the forward and the backward below.
 
 #include <algorithm>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "coda_backend.hpp"
+#include "coda_runner.hpp"
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/gpt2_programs.cuh"
 #include "kernels/cuda_check.cuh"
@@ -21,9 +21,9 @@ namespace coda {
 
 namespace {
 
-class CodaGpt2Backend : public CodaBackend {
+class CodaLayerNormRunner : public CodaRunner {
  public:
-  CodaGpt2Backend(const ModelConfig& config, int max_batch, int max_seq_len);
+  explicit CodaLayerNormRunner(DeviceState& state);
 
  protected:
   void plan_buffers(ArenaPlan& plan) override;
@@ -61,16 +61,18 @@ class CodaGpt2Backend : public CodaBackend {
   prog::gpt2::LnBackwardColumns ln_cols_;  // the LayerNorm backward's column partials, [N / 16, C]
 };
 
-CodaGpt2Backend::CodaGpt2Backend(const ModelConfig& config, int max_batch, int max_seq_len)
-    : CodaBackend(config, max_batch, max_seq_len), qkv_vectors_(config.n_layer), fc_vectors_(config.n_layer) {
-  if (config.arch != Arch::GPT2)
-    throw std::invalid_argument(std::string("coda gpt2 backend: arch is ") + arch_name(config.arch) + ", not gpt2");
+CodaLayerNormRunner::CodaLayerNormRunner(DeviceState& state)
+    : CodaRunner(state), qkv_vectors_(config_.n_layer), fc_vectors_(config_.n_layer) {
+  const std::string family = "LayerNorm";
+  require_feature(config_.mlp == Mlp::Gelu, family, "GELU");
+  require_feature(config_.positions == Positions::Learned, family, "learned positions");
+  require_feature(config_.qkv_bias && config_.proj_bias && config_.mlp_bias, family, "a bias on every projection");
 }
 
-void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
-  CodaBackend::plan_buffers(plan);
+void CodaLayerNormRunner::plan_buffers(ArenaPlan& plan) {
+  CodaRunner::plan_buffers(plan);
   const ModelConfig& c = config_;
-  const int N = max_batch_ * max_seq_len_, C = c.d_model, Q = c.qkv_dim(), F = c.d_ff, V = c.padded_vocab();
+  const int N = static_cast<int>(max_rows()), C = c.d_model, Q = c.qkv_dim(), F = c.d_ff, V = c.padded_vocab();
   const std::string vectors = "coda weight-derived vectors", partials = "coda gradient partials";
   auto reserve_vectors = [&](LnVectors& v, int rows) {
     plan.reserve(&v.c, rows, vectors);
@@ -88,7 +90,7 @@ void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&dot_b_, dots, partials);
   plan.reserve(&col_b_,
                std::max(static_cast<size_t>(prog::column_partial_groups(N)) * F,
-                        static_cast<size_t>(attention_writeout_groups(attention_shape(max_batch_, max_seq_len_))) * Q),
+                        static_cast<size_t>(attention_writeout_groups(attention_shape(state_.max_batch(), state_.max_seq_len()))) * Q),
                partials);
   const size_t ln_cols = static_cast<size_t>(prog::column_partial_groups(N)) * C;
   for (float** cols : {&ln_cols_.dgamma, &ln_cols_.dbeta, &ln_cols_.residual})
@@ -105,9 +107,9 @@ void CodaGpt2Backend::plan_buffers(ArenaPlan& plan) {
 //   out-proj  h2 = attn Wo^T + bias + h  (aux mid), O2 = h2 (.) gamma2 (norm2), partials of h2, h2^2
 //   fc        pre = LN(h2) Wfc^T + bias (aux up), act = gelu(pre)                   fc_program
 //   proj      h' = act Wproj^T + bias + h2 (aux: next input), O' = h' (.) gamma' (next norm1 or normf)
-// Head: logits = LN(h) Wte^T with the target logit and the log-sum-exp partials (CodaBackend finishes
+// Head: logits = LN(h) Wte^T with the target logit and the log-sum-exp partials (CodaRunner finishes
 // the loss from them).
-void CodaGpt2Backend::weight_vectors() {
+void CodaLayerNormRunner::weight_vectors() {
   const int C = config_.d_model;
   for (int l = 0; l < config_.n_layer; ++l) {
     const LayerParams& p = layout_.layers[l];
@@ -121,19 +123,19 @@ void CodaGpt2Backend::weight_vectors() {
                            stream_);
 }
 
-void CodaGpt2Backend::embedding_forward(int B, int T) {
+void CodaLayerNormRunner::embedding_forward(int B, int T) {
   weight_vectors();
-  CodaBackend::embedding_forward(B, T);
+  CodaRunner::embedding_forward(B, T);
 }
 
-void CodaGpt2Backend::block_forward(int layer, int B, int T) {
+void CodaLayerNormRunner::block_forward(int layer, int B, int T) {
   using namespace prog::gpt2;
   const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
-  LayerActivations& a = acts_.layers[layer];
+  LayerActivations& a = layers_[layer];
   const LayerParams& p = layout_.layers[layer];
   const bool last = layer + 1 == config_.n_layer;
 
-  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.qkv, a.norm1, weight(p.qkv_w), N, Q, C, false,
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.qkv, a.o1, weight(p.qkv_w), N, Q, C, false,
                                 ln_linear_program(norm_partials(norm1_stats_[layer]), qkv_vectors_[layer].c,
                                                   qkv_vectors_[layer].b_prime),
                                 stream_);
@@ -141,32 +143,32 @@ void CodaGpt2Backend::block_forward(int layer, int B, int T) {
 
   NormStatsBuffers& stats2 = norm2_stats_[layer];
   stats2.count = row_partials(GemmLayout::Forward, N, C, C);
-  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.norm2, a.attn, weight(p.attn_proj_w), N, C, C, false,
-                                residual_program(a.input, weight(p.attn_proj_b), a.mid, C, weight(p.norm2_w),
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.o2, a.attn, weight(p.attn_proj_w), N, C, C, false,
+                                residual_program(a.h, weight(p.attn_proj_b), a.h2, C, weight(p.norm2_w),
                                                  stats2.sum, stats2.sumsq),
                                 stream_);
-  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.act, a.norm2, weight(p.mlp_up_w), N, F, C, false,
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, a.act, a.o2, weight(p.mlp_up_w), N, F, C, false,
                                 fc_program(norm_partials(stats2), fc_vectors_[layer].c, fc_vectors_[layer].b_prime,
                                            a.up, F),
                                 stream_);
 
   NormStatsBuffers& next = next_norm_stats(layer);
   next.count = row_partials(GemmLayout::Forward, N, C, F);
-  bf16* next_O = last ? acts_.normf : acts_.layers[layer + 1].norm1;
+  bf16* next_O = last ? o_final_ : layers_[layer + 1].o1;
   const size_t next_gamma = last ? layout_.normf_w : layout_.layers[layer + 1].norm1_w;
   gemm_run<GemmLayout::Forward>(GemmTile::Auto, next_O, a.act, weight(p.mlp_down_w), N, C, F, false,
-                                residual_program(a.mid, weight(p.mlp_down_b), layer_output(layer), C,
+                                residual_program(a.h2, weight(p.mlp_down_b), layer_output(layer), C,
                                                  weight(next_gamma), next.sum, next.sumsq),
                                 stream_);
 }
 
-void CodaGpt2Backend::head_forward(int B, int T) {
+void CodaLayerNormRunner::head_forward(int B, int T) {
   const int N = B * T, C = config_.d_model, V = config_.padded_vocab();
   lse_count_ = row_partials(GemmLayout::Forward, N, V, C);
-  gemm_run<GemmLayout::Forward>(GemmTile::Auto, acts_.logits, acts_.normf, weight(layout_.head_weight()), N, V, C,
+  gemm_run<GemmLayout::Forward>(GemmTile::Auto, io.logits, o_final_, weight(layout_.head_weight()), N, V, C,
                                 false,
                                 prog::gpt2::lm_head_program(norm_partials(normf_stats_), head_vectors_.c,
-                                                            head_vectors_.b_prime, acts_.targets, target_logit_,
+                                                            head_vectors_.b_prime, io.targets, target_logit_,
                                                             lse_partials_, config_.vocab_size),
                                 stream_);
 }
@@ -186,28 +188,28 @@ void CodaGpt2Backend::head_forward(int B, int T) {
 //   attention backward with the LayerNorm write-out: d_qkv = r dz, row dots, col_b
 //   QKV       dgrad: LayerNorm backward of norm1 into d_residual (+ column sums: the proj bias of the layer
 //             below), u / r over O1; wgrad += d_qkv^T (u / r), qkv bias from col_b
-void CodaGpt2Backend::ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats,
+void CodaLayerNormRunner::ln_backward(const bf16* dz_scaled, size_t W, int K, const NormStatsBuffers& stats,
                                   const prog::LnDots& dots, const bf16* h, size_t norm_w, size_t norm_b,
                                   size_t residual_bias, int N, bf16* norm_out_over_rstd) {
   const int C = config_.d_model, groups = prog::column_partial_groups(N);
   auto dgrad = [&](const auto& program) {
-    gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, scratch_.d_residual, dz_scaled, weight(W), N, C, K, false, program,
+    gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_residual_, dz_scaled, weight(W), N, C, K, false, program,
                                 stream_);
   };
   dgrad(prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w), weight(norm_b),
-                                        scratch_.d_residual, ln_cols_, norm_out_over_rstd));
+                                        d_residual_, ln_cols_, norm_out_over_rstd));
   fused::add_column_partials({{grad(norm_w), ln_cols_.dgamma}, {grad(norm_b), ln_cols_.dbeta},
                               {grad(residual_bias), ln_cols_.residual}},
                              groups, C, C, 1.0f, stream_);
 }
 
-void CodaGpt2Backend::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* norm_out_over_rstd,
+void CodaLayerNormRunner::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* norm_out_over_rstd,
                                       int rows, int N, int groups) {
   gemm_wgrad(grad(W), dz_scaled, norm_out_over_rstd, rows, config_.d_model, N, true, stream_);
   fused::add_column_partials({{grad(bias), col_b_}}, groups, rows, rows, 1.0f, stream_);
 }
 
-void CodaGpt2Backend::head_backward(int B, int T, float dloss) {
+void CodaLayerNormRunner::head_backward(int B, int T, float dloss) {
   const int N = B * T, C = config_.d_model, V = config_.padded_vocab();
   fused::DlogitsArgs args = dlogits_args(N, dloss, dot_z_);
   args.c = head_vectors_.c;
@@ -218,32 +220,31 @@ void CodaGpt2Backend::head_backward(int B, int T, float dloss) {
 
   // The dgrad overwrites O of the final norm (read by the forward's LM head only) with u / r, and the
   // weight gradient is the plain dz'^T (u / r).
-  CUDA_CHECK(cudaMemsetAsync(scratch_.d_residual, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
-  ln_backward(acts_.logits, layout_.head_weight(), V, normf_stats_, {dot_z_, dot_c_, dot_b_, 1}, acts_.output,
-              layout_.normf_w, layout_.normf_b, layout_.layers.back().mlp_down_b, N, acts_.normf);
-  gemm_wgrad(grad(layout_.head_weight()), acts_.logits, acts_.normf, V, C, N, true, stream_);
+  CUDA_CHECK(cudaMemsetAsync(d_residual_, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
+  ln_backward(io.logits, layout_.head_weight(), V, normf_stats_, {dot_z_, dot_c_, dot_b_, 1}, h_final_,
+              layout_.normf_w, layout_.normf_b, layout_.layers.back().mlp_down_b, N, o_final_);
+  gemm_wgrad(grad(layout_.head_weight()), io.logits, o_final_, V, C, N, true, stream_);
 }
 
-void CodaGpt2Backend::block_backward(int layer, int B, int T) {
+void CodaLayerNormRunner::block_backward(int layer, int B, int T) {
   const int N = B * T, C = config_.d_model, Q = config_.qkv_dim(), F = config_.d_ff;
   const int groups = prog::column_partial_groups(N);
-  const LayerActivations& a = acts_.layers[layer];
+  const LayerActivations& a = layers_[layer];
   const LayerParams& p = layout_.layers[layer];
-  bf16* d_residual = scratch_.d_residual;  // holds the gradient of this layer's output
-  bf16* d_up = scratch_.d_act;             // dz' of the fc output
+  bf16* d_residual = d_residual_;  // holds the gradient of this layer's output; d_up_: dz' of the fc output
 
   const prog::LnDots fc_dots{dot_z_, dot_c_, dot_b_, row_partials(GemmLayout::Dgrad, N, F, C)};
-  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_up, d_residual, weight(p.mlp_down_w), N, F, C, false,
+  gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_up_, d_residual, weight(p.mlp_down_w), N, F, C, false,
                               prog::gpt2::proj_dgrad_program(a.up, F, norm_partials(norm2_stats_[layer]),
                                                              fc_vectors_[layer].c, fc_vectors_[layer].b_prime,
                                                              fc_dots, col_b_),
                               stream_);
   gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
-  ln_backward(d_up, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.mid, p.norm2_w, p.norm2_b, p.attn_proj_b, N,
-              a.norm2);
-  ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up, a.norm2, F, N, groups);
+  ln_backward(d_up_, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.h2, p.norm2_w, p.norm2_b, p.attn_proj_b, N,
+              a.o2);
+  ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up_, a.o2, F, N, groups);
 
-  gemm_dgrad(scratch_.d_attn, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
+  gemm_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
   gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
   AttentionWriteout writeout;
   writeout.stats = norm_partials(norm1_stats_[layer]);
@@ -253,17 +254,17 @@ void CodaGpt2Backend::block_backward(int layer, int B, int T) {
   writeout.dot_c = dot_c_;
   writeout.dot_b = dot_b_;
   writeout.col_b = col_b_;
-  attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
+  attention_backward(d_qkv_, d_attn_, a.qkv, a.attn, a.lse, attention_workspace_,
                      attention_shape(B, T), stream_, &writeout);
-  ln_backward(scratch_.d_qkv, p.qkv_w, Q, norm1_stats_[layer], {dot_z_, dot_c_, dot_b_, 1}, a.input, p.norm1_w,
-              p.norm1_b, layer > 0 ? layout_.layers[layer - 1].mlp_down_b : kAbsent, N, a.norm1);
-  ln_linear_wgrad(p.qkv_w, p.qkv_b, scratch_.d_qkv, a.norm1, Q, N, attention_writeout_groups(attention_shape(B, T)));
+  ln_backward(d_qkv_, p.qkv_w, Q, norm1_stats_[layer], {dot_z_, dot_c_, dot_b_, 1}, a.h, p.norm1_w,
+              p.norm1_b, layer > 0 ? layout_.layers[layer - 1].mlp_down_b : kAbsent, N, a.o1);
+  ln_linear_wgrad(p.qkv_w, p.qkv_b, d_qkv_, a.o1, Q, N, attention_writeout_groups(attention_shape(B, T)));
 }
 
 }  // namespace
 
-std::unique_ptr<CudaBackend> make_coda_gpt2_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
-  return std::make_unique<CodaGpt2Backend>(config, max_batch, max_seq_len);
+std::unique_ptr<StepRunner> make_coda_layernorm_runner(DeviceState& state) {
+  return std::make_unique<CodaLayerNormRunner>(state);
 }
 
 }  // namespace coda

@@ -1,0 +1,79 @@
+// A step runner runs the pieces of a training step of one mode and model family on the device state
+// (device_state.hpp) and owns its activations: the unfused mode (unfused_runner.cu: cuBLASLt GEMMs plus
+// one kernel per operation), the CODA mode of the LayerNorm family (coda_layernorm.cu) and of the RMSNorm
+// family (coda_rmsnorm.cu). CudaBackend (cuda_backend.hpp) uploads the batch, calls the pieces in order
+// (embedding, blocks, head, loss; head, blocks from the top down, embedding) and starts each gradient
+// bucket's all-reduce as soon as the piece that finishes it is enqueued; every piece finishes its own
+// layer's gradients, so that overlap holds for every runner.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "device_state.hpp"
+#include "kernels/attention/attention.cuh"
+
+namespace coda {
+
+class StepRunner {
+ public:
+  using bf16 = __nv_bfloat16;
+  // The buffers the backend writes (the batch) and reads (losses, logits) around the pieces.
+  struct StepIO {
+    int32_t* tokens = nullptr;         // [N]
+    int32_t* targets = nullptr;        // [N]
+    int32_t* token_buckets = nullptr;  // [3N + 1], unfused::TokenBuckets::packed
+    int num_token_buckets = 0;         // of the current batch
+    bf16* logits = nullptr;            // [N, Vp]; the backward may overwrite it with dlogits
+    float* losses = nullptr;           // [N]
+    float* logits_lse = nullptr;       // [N]
+  };
+
+  explicit StepRunner(DeviceState& state);
+  virtual ~StepRunner() = default;
+  StepRunner(const StepRunner&) = delete;
+  StepRunner& operator=(const StepRunner&) = delete;
+
+  virtual std::string mode() const = 0;  // "unfused", "coda"
+  // Reserves the StepIO buffers and then the runner's own (plan_buffers).
+  void plan(ArenaPlan& plan);
+  // After allocation: tables the runner computes once (the RoPE table).
+  virtual void upload_tables() {}
+
+  // The pieces of a step, on the state's stream, for B sequences of T tokens (N = B*T rows).
+  virtual void embedding_forward(int B, int T) = 0;
+  virtual void block_forward(int layer, int B, int T) = 0;
+  virtual void head_forward(int B, int T) = 0;  // final norm and logits
+  virtual void loss_forward(int B, int T) = 0;  // per-row losses and lse
+  virtual void head_backward(int B, int T, float dloss) = 0;
+  virtual void block_backward(int layer, int B, int T) = 0;
+  virtual void embedding_backward(int B, int T) = 0;
+
+  StepIO io;
+
+ protected:
+  virtual void plan_buffers(ArenaPlan& plan) = 0;
+  const bf16* weight(size_t offset) const { return state_.weight(offset); }
+  float* grad(size_t offset) const { return state_.grad(offset); }
+  AttentionShape attention_shape(int B, int T) const {
+    return AttentionShape{B, T, config_.n_head, config_.n_kv_head, config_.head_dim()};
+  }
+  size_t max_rows() const { return static_cast<size_t>(state_.max_batch()) * state_.max_seq_len(); }
+  // The embedding backward from d_residual (the gradient of the residual stream entering layer 0) and
+  // the batch's token buckets, into the gradients of wte (and wpe): one kernel every mode shares.
+  void embedding_backward_from(const bf16* d_residual, int B, int T);
+
+  DeviceState& state_;
+  const ModelConfig& config_;
+  const ParamLayout& layout_;
+  const cudaStream_t stream_;
+};
+
+// The runners, not yet planned (the backend plans and allocates them with the state).
+std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state);
+std::unique_ptr<StepRunner> make_coda_layernorm_runner(DeviceState& state);
+std::unique_ptr<StepRunner> make_coda_rmsnorm_runner(DeviceState& state);
+
+}  // namespace coda
