@@ -13,8 +13,8 @@
 #include "dist_plan.hpp"
 #include "distributed.hpp"
 #include "energy.hpp"
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
 #include "model.hpp"
 #include "rng.hpp"
 #include "train.hpp"
@@ -56,7 +56,7 @@ double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats) {
 // shared machine. MFU = flops_per_token * tokens/s / the device's peak (model.hpp counts the FLOPs). A
 // backend that times its phases on the device (Backend::last_phase_times) also gets the median forward,
 // backward (summed over the micro-batches) and optimizer times. Under CODA_PROFILE=1 only the timed steps'
-// launches are profiled (kernels/kernel_profile.cuh).
+// launches are profiled (kernels/common/kernel_profile.cuh).
 // Under a launcher (mpirun -np N) every rank runs on its own random tokens, with the gradient average armed
 // before the last micro-batch exactly as train() does; tokens/s counts the job, tokens/s per GPU and MFU one
 // GPU. Scaling = tokens/s per GPU at N ranks over the figure of a one-GPU run. time_gradient_all_reduce gives

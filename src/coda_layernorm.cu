@@ -14,7 +14,7 @@
 #include "coda_runner.hpp"
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/gpt2_programs.cuh"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
 
 namespace coda {

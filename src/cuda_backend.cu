@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "distributed.hpp"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
 
 namespace coda {

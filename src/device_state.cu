@@ -11,7 +11,7 @@
 
 #include "backend.hpp"
 #include "distributed.hpp"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
 
 namespace coda {

@@ -19,7 +19,7 @@
 #include <mpi.h>
 #endif
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 
 namespace coda {
 

@@ -33,7 +33,7 @@
 #include "data.hpp"
 #include "dist_plan.hpp"
 #include "distributed.hpp"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "prepare.hpp"
 #include "rng.hpp"
 #include "stop_signal.hpp"

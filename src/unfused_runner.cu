@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/attention/attention.cuh"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/gemm/cublaslt.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "step_runner.hpp"

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/gemm/gemm.cuh"
 
 namespace coda::testing {

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "src/rng.hpp"
 
 namespace coda::test {

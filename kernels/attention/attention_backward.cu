@@ -19,10 +19,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
+#include "kernels/common/vec.cuh"
 #include "kernels/sm90/sm90.cuh"
-#include "kernels/unfused/vec.cuh"
 
 namespace coda {
 namespace {
@@ -51,8 +51,8 @@ __global__ void attention_backward_prologue_kernel(float* lse2, float* dsum, flo
   const size_t b = bh / n_head, h = bh % n_head, head_row = bh * T + t;  // [B, n_head, T]
   const size_t token_head = ((b * T + t) * n_head + h) * HD + d;         // [B, T, n_head, HD]
   float o[8], g[8];
-  unfused::load_bf16x8(o, out + token_head);
-  unfused::load_bf16x8(g, dout + token_head);
+  load_bf16x8(o, out + token_head);
+  load_bf16x8(g, dout + token_head);
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc += o[i] * g[i];
@@ -62,7 +62,7 @@ __global__ void attention_backward_prologue_kernel(float* lse2, float* dsum, flo
   for (int off = kRowThreads / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(row_lanes, acc, off);
   if (d == 0) dsum[row] = acc, lse2[row] = lse[head_row] * kLog2e;
   const float zeros[8] = {};
-  unfused::store_f32x8(dq_accum + head_row * HD + d, zeros);
+  store_f32x8(dq_accum + head_row * HD + d, zeros);
 }
 
 // ---- the main kernel: TMA + wgmma, a producer warpgroup and two consumer warpgroups --------------------
@@ -573,8 +573,8 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     for (int p = 0; p < 4; ++p) freq[p] = epi::rope_turns_per_position(static_cast<float>(d + 2 * p), log2_freq_step);
     float c[8], b_prime[8];
     if constexpr (kDots == 3) {
-      unfused::load_f32x8(c, w.c + col);
-      unfused::load_f32x8(b_prime, w.b_prime + col);
+      load_f32x8(c, w.c + col);
+      load_f32x8(b_prime, w.b_prime + col);
     }
     float col_b[8] = {};
 #pragma unroll 1
@@ -585,7 +585,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
 #pragma unroll
       for (int r = 0; r < kBatchRows; ++r) {
         const int t = t0 + min(r0 + r, rows - 1);
-        unfused::load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
+        load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
         z_raw[r] = __ldg(reinterpret_cast<const uint4*>(qkv + (static_cast<size_t>(b) * T + t) * qkv_dim + col));
       }
       if (pass == 0 && r0 == 0) __syncthreads();  // s_rstd and the zeroed s_dots are ready
@@ -595,7 +595,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
         const int t = t0 + r0 + r;
         const bool valid = active && r0 + r < rows;
         float z[8];
-        unfused::unpack_bf16x8(z, z_raw[r]);
+        unpack_bf16x8(z, z_raw[r]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           dz[r][i] *= valid ? scale : 0.f;
@@ -632,7 +632,7 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
       if (lane % kLanesPerValue == 0) s_dots[warp][r0 * kDotSlots + lane / kLanesPerValue] += warp_total;
     }
     if (w.col_b != nullptr && active)
-      unfused::store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
+      store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < rows * kDots; i += blockDim.x) {

@@ -18,8 +18,8 @@
 
 #include "kernels/attention/attention.cuh"
 #include "kernels/attention/attention_device.cuh"
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
 #include "kernels/sm90/sm90.cuh"
 
 namespace coda {

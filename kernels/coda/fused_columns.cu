@@ -7,16 +7,16 @@
 // groups: N / 16, e.g. 2048) over few columns (d_model), so one block per tile would leave most of the
 // GPU idle: the groups are split over the blocks of a thread-block cluster (up to 8, about 256 groups
 // each), each block sums its share into shared memory in a fixed order, and the totals are the sum of the
-// cluster's shares in rank order (kernels/cluster.cuh). Deterministic, no atomics, no workspace.
+// cluster's shares in rank order (kernels/common/cluster.cuh). Deterministic, no atomics, no workspace.
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/coda/fused.cuh"
-#include "kernels/cluster.cuh"
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
+#include "kernels/common/cluster.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
 
 namespace coda::fused {
 

@@ -5,7 +5,7 @@
 // kRowPackets loads in flight per thread, the dot summed over the block in a fixed order (count 1).
 // LayerNorm (also <dz, c>, <dz, b'>): a block owns kGroupRows rows and a column slice, its threads keeping
 // their packets' entries of c and b' in registers across the rows; the slices of a row group form a cluster
-// and each row's dots are summed over them in rank order through distributed shared memory (cluster.cuh):
+// and each row's dots are summed over them in rank order through distributed shared memory (kernels/common/cluster.cuh):
 // deterministic, no atomics. The slice count trades passes over the rows against waves of blocks
 // (dlogits_slices); two packets per thread keep two blocks per SM.
 
@@ -14,10 +14,10 @@
 #include <string>
 
 #include "kernels/coda/fused.cuh"
-#include "kernels/cluster.cuh"
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
-#include "kernels/unfused/vec.cuh"
+#include "kernels/common/cluster.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
+#include "kernels/common/vec.cuh"
 
 namespace coda::fused {
 
@@ -66,14 +66,14 @@ __global__ void __launch_bounds__(kRowThreads) dlogits_row_kernel(DlogitsArgs ar
       const int packet = first + k * kRowThreads;
       if (packet >= packets) continue;
       float z[8], dz[8];
-      unfused::unpack_bf16x8(z, raw[k]);
+      unpack_bf16x8(z, raw[k]);
       dz_packet(dz, z, 8 * packet, lse, target, args);
 #pragma unroll
       for (int j = 0; j < 8; ++j) dot += dz[j] * z[j];
       __stcs(dst + packet, pack_scaled(dz, rstd));
     }
   }
-  dot = unfused::block_sum(dot, scratch);
+  dot = block_sum(dot, scratch);
   if (threadIdx.x == 0) args.dot_z[row] = dot;
 }
 
@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
 #pragma unroll
     for (int k = 0; k < kPackets; ++k)
       if (valid[k]) {
-        unfused::load_f32x8(c[k], args.c + 8 * packet[k]);
-        unfused::load_f32x8(b_prime[k], args.b_prime + 8 * packet[k]);
+        load_f32x8(c[k], args.c + 8 * packet[k]);
+        load_f32x8(b_prime[k], args.b_prime + 8 * packet[k]);
       }
     uint4 next[kPackets];
     auto load_row = [&](int r) {
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
         if (!valid[k]) continue;
         const int col0 = 8 * packet[k];
         float z[8], dz[8];
-        unfused::unpack_bf16x8(z, current[k]);
+        unpack_bf16x8(z, current[k]);
         dz_packet(dz, z, col0, lse, target, args);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 2) dlogits_kernel(DlogitsArgs args, 
       }
 #pragma unroll
       for (int d = 0; d < kDots; ++d) {
-        const float total = unfused::warp_sum(dots[d]);
+        const float total = warp_sum(dots[d]);
         if (lane == 0) warp_dots[d][warp][r] += total;
       }
     }
@@ -187,7 +187,7 @@ int dlogits_slices(int packets, int groups) {
   static const int resident = [] {
     int per_sm = 0;
     CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dlogits_kernel, kThreads, 0));
-    return std::max(1, per_sm) * unfused::sm_count();
+    return std::max(1, per_sm) * sm_count();
   }();
   int best = 1;
   long best_cost = 0, best_waste = 0;

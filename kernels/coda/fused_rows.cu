@@ -13,17 +13,13 @@
 #include <string>
 
 #include "kernels/coda/fused.cuh"
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
-#include "kernels/unfused/vec.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
+#include "kernels/common/vec.cuh"
 
 namespace coda::fused {
 
 namespace {
-
-using unfused::load_packet;
-using unfused::unpack_bf16x8;
-using unfused::warp_sum;
 
 constexpr int kRowWarps = 8;  // rows per 256-thread block
 constexpr int kInFlight = 4;  // packets per lane whose loads are issued together
@@ -84,7 +80,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
         ss += v[j] * v[j];
         scale[j] *= v[j];
       }
-      unfused::store_bf16x8(O + out + 8 * k, scale);
+      store_bf16x8(O + out + 8 * k, scale);
     }
   }
   s = warp_sum(s);
@@ -138,8 +134,8 @@ __global__ void __launch_bounds__(kRowWarps * 32)
       if (k >= packets) continue;
       float wv[8], gv[8], bv[8];
       unpack_bf16x8(wv, w[u]);
-      unfused::load_bf16x8(gv, gamma + 8 * k);
-      unfused::load_bf16x8(bv, beta + 8 * k);
+      load_bf16x8(gv, gamma + 8 * k);
+      load_bf16x8(bv, beta + 8 * k);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         sc += gv[j] * wv[j];
@@ -169,7 +165,7 @@ void embedding_forward(bf16* h, bf16* O, float* sum, float* sumsq, const int32_t
   require_packets(C, "fused::embedding_forward", "C");
   const int N = B * T;
   if (N == 0) return;
-  embedding_forward_kernel<<<unfused::blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
+  embedding_forward_kernel<<<blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
       h, O, sum, sumsq, tokens, wte, wpe, gamma, N, T, C);
   CUDA_CHECK_LAUNCH();
 }
@@ -179,7 +175,7 @@ void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* ls
   const profile::Region region("loss from partials", profile::Work::Other, stream);
   if (count < 1) throw std::invalid_argument("fused::loss_from_partials: count = " + std::to_string(count));
   if (N == 0) return;
-  loss_from_partials_kernel<<<unfused::blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
+  loss_from_partials_kernel<<<blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
       losses, lse, lse_partials, count, target_logit, N);
   CUDA_CHECK_LAUNCH();
 }
@@ -189,7 +185,7 @@ void ln_weight_vectors(float* c, float* b_prime, const bf16* W, int rows, int d,
   const profile::Region region("ln weight vectors", profile::Work::Other, stream);
   require_packets(d, "fused::ln_weight_vectors", "d");
   if (rows == 0) return;
-  ln_weight_vectors_kernel<<<unfused::blocks_for(rows, kRowWarps), kRowWarps * 32, 0, stream>>>(
+  ln_weight_vectors_kernel<<<blocks_for(rows, kRowWarps), kRowWarps * 32, 0, stream>>>(
       c, b_prime, W, rows, d, gamma, beta, bias);
   CUDA_CHECK_LAUNCH();
 }

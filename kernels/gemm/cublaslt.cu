@@ -3,8 +3,8 @@
 
 #include <string>
 
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
 
 #define CUBLAS_CHECK(call)                                                                                  \
   do {                                                                                                      \

@@ -4,10 +4,10 @@
 // instantiates GemmTileKernel for one program and tile) and the test files with programs of their own,
 // which instantiate it implicitly through gemm_run.
 #pragma once
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/launch.cuh"
 #include "kernels/gemm/gemm_kernel.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
-#include "kernels/launch.cuh"
 
 namespace coda {
 namespace gemm_detail {

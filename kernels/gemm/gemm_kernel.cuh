@@ -5,7 +5,7 @@
 // stages, then the epilogue chunk by chunk through swizzled staging buffers and TMA stores). Cooperative: both
 // consumers on every tile; ping-pong: alternate tiles, so one consumer's epilogue runs under the other's MMAs.
 // Work units (tile, k range) in grouped tile order; weight gradients split K, split-major, summed by TMA
-// reduce-add. TMA zero-fills and clips the tails. Launched with PDL (kernels/launch.cuh).
+// reduce-add. TMA zero-fills and clips the tails. Launched with PDL (kernels/common/launch.cuh).
 // Details: docs/GEMM.md, "Design" (tiles, schedule, epilogue, tile inputs) and "Why it is built this way".
 
 #pragma once
@@ -15,9 +15,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/launch.cuh"
 #include "kernels/epilogue/epilogue.cuh"
 #include "kernels/gemm/gemm_params.cuh"
-#include "kernels/launch.cuh"
 #include "kernels/sm90/sm90.cuh"
 
 namespace coda::gemm_detail {
@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(384, 1)
     sm90::fence_barrier_init();
   }
   __syncthreads();
-  // Launched with PDL (launch.cuh): the prologue above ran under the previous kernel's tail; no global
+  // Launched with PDL (kernels/common/launch.cuh): the prologue above ran under the previous kernel's tail; no global
   // memory before this.
   start_after_previous_kernel();
 

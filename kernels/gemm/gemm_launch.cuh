@@ -12,10 +12,10 @@
 #include <type_traits>
 #include <typeinfo>
 
+#include "kernels/common/kernel_profile.cuh"
 #include "kernels/epilogue/epilogue.cuh"
 #include "kernels/gemm/gemm.cuh"
 #include "kernels/gemm/gemm_params.cuh"
-#include "kernels/kernel_profile.cuh"
 
 namespace coda {
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/sm90/wgmma_ops.cuh"
 
 namespace coda::sm90 {

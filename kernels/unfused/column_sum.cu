@@ -7,18 +7,18 @@
 //  * narrow matrices whose 64-column tiles all fit at once as clusters of 16 blocks ([N, 768]): a cluster per
 //    tile; block 0 adds the 16 partials through distributed shared memory in slab order, no global round trip;
 //  * otherwise the last block to end: 128-column tiles, a grid of exactly one wave, each block stores its
-//    partial and takes a ticket (ticket_add, vec.cuh); the last one sums the partials in one round of loads.
+//    partial and takes a ticket (ticket_add, kernels/common/vec.cuh); the last one sums the partials in one round of loads.
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include "kernels/cluster.cuh"
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
-#include "kernels/launch.cuh"
+#include "kernels/common/cluster.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
+#include "kernels/common/launch.cuh"
+#include "kernels/common/vec.cuh"
 #include "kernels/unfused/unfused.cuh"
-#include "kernels/unfused/vec.cuh"
 
 namespace coda::unfused {
 

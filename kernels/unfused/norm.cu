@@ -13,12 +13,12 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
-#include "kernels/launch.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
+#include "kernels/common/launch.cuh"
+#include "kernels/common/vec.cuh"
 #include "kernels/sm90/sm90.cuh"
 #include "kernels/unfused/unfused.cuh"
-#include "kernels/unfused/vec.cuh"
 
 namespace coda::unfused {
 

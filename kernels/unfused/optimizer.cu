@@ -5,7 +5,7 @@
 // on the host. Whether a parameter decays is a property of its tensor; tensors start at multiples of 64
 // elements (model.hpp), so one byte per 64 elements says it (a 4-element packet never straddles two).
 // The sum of squares is deterministic: every block reduces a grid-stride share in a fixed order and
-// writes its partial; the block that draws the last integer ticket (ticket_add in vec.cuh) sums the
+// writes its partial; the block that draws the last integer ticket (ticket_add in kernels/common/vec.cuh) sums the
 // partials in block order.
 
 #include <algorithm>
@@ -13,11 +13,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/cuda_check.cuh"
-#include "kernels/kernel_profile.cuh"
-#include "kernels/launch.cuh"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
+#include "kernels/common/launch.cuh"
+#include "kernels/common/vec.cuh"
 #include "kernels/unfused/unfused.cuh"
-#include "kernels/unfused/vec.cuh"
 
 namespace coda::unfused {
 

@@ -2,7 +2,7 @@
 // runs eagerly, written to run at memory bandwidth. This is the baseline the CODA mode is measured against,
 // so each kernel is as fast as a standalone kernel can be: 16-byte vector access, coalesced rows, one pass
 // over each tensor where the math allows, fp32 arithmetic and statistics, deterministic reductions (never
-// float atomics), launched with PDL (kernels/launch.cuh). Conventions: row-major bf16 activations with
+// float atomics), launched with PDL (kernels/common/launch.cuh). Conventions: row-major bf16 activations with
 // N = B*T token rows; fp32 parameter gradients in the flat layout of model.hpp; every row length (C, OC, F,
 // qkv_dim, Vp) and pointer a multiple of 8 elements / 16 bytes. Functions named *_backward ADD into their
 // parameter gradients (dw, db, dwte, dwpe), as ref_ops.hpp does, so gradient accumulation needs no extra pass.

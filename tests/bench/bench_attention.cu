@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kernels/attention/attention.cuh"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "tests/bench/bench_util.cuh"
 
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kernels/coda/fused.cuh"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "tests/bench/bench_util.cuh"
 

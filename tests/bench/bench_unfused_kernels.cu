@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "model.hpp"
 #include "rng.hpp"
@@ -88,7 +88,7 @@ int input_sets(double input_bytes) { return std::max(1, std::min(4, static_cast<
 //  * back-to-back: the cost of one more launch in a run of launches, (time of 24 launches in a row - time of
 //    12) / 12, each run between two events after an L2 flush; the launches rotate over enough copies of the
 //    inputs (>= 200 MB in all) that no launch finds its inputs in the 50 MB L2. The kernels are launched with
-//    programmatic dependent launch (kernels/launch.cuh), so each launch's scheduling overlaps the previous
+//    programmatic dependent launch (kernels/common/launch.cuh), so each launch's scheduling overlaps the previous
 //    launch's tail, as it does in a step wherever an unfused kernel follows another (after a cuBLASLt GEMM or
 //    an attention kernel, launched without PDL, only the launch itself overlaps). The difference leaves out
 //    what only the first launch of a run pays: its launch latency and the write-back of the dirty lines the

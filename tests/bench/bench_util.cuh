@@ -13,7 +13,7 @@
 #include <memory>
 #include <vector>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "src/energy.hpp"
 
 namespace coda::bench {

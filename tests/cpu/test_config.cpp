@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "config.hpp"
+#include "kernels/common/cuda_check.cuh"
 #include "model.hpp"
-#include "kernels/cuda_check.cuh"
 #include "rng.hpp"
 #include "tests/test_util.hpp"
 

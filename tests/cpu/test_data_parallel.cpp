@@ -18,7 +18,7 @@
 
 #include "data.hpp"
 #include "dist_plan.hpp"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "rng.hpp"
 #include "tests/test_util.hpp"
 #include "train.hpp"

@@ -1,11 +1,11 @@
-// The CODA_PROFILE summary (kernels/kernel_profile.cuh): the time per kind of work and the fusion bound,
+// The CODA_PROFILE summary (kernels/common/kernel_profile.cuh): the time per kind of work and the fusion bound,
 // total / (total - epilogue work), the most that moving the unfused epilogue operations into GEMM
 // epilogues can speed up a step at the same GEMM and attention speeds.
 #include <gtest/gtest.h>
 
 #include <string>
 
-#include "kernels/kernel_profile.cuh"
+#include "kernels/common/kernel_profile.cuh"
 
 namespace {
 

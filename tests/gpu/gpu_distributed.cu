@@ -31,7 +31,7 @@
 #include "config.hpp"
 #include "dist_plan.hpp"
 #include "distributed.hpp"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "model.hpp"
 #include "prepare.hpp"
 #include "rng.hpp"

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kernels/coda/fused.cuh"
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "src/ref_ops.hpp"
 #include "src/rng.hpp"
 #include "tests/gpu_test_util.cuh"

@@ -15,7 +15,7 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 #include "kernels/gemm/cublaslt.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "src/ref_ops.hpp"
@@ -175,7 +175,7 @@ TEST(GpuUnfused, BiasAddAndBiasGradient) {
   }
 }
 
-// The kernels are launched with programmatic dependent launch (kernels/launch.cuh): each may be scheduled
+// The kernels are launched with programmatic dependent launch (kernels/common/launch.cuh): each may be scheduled
 // while the previous one still runs and must wait for it before touching memory. A chain in which every
 // launch reads what the one before wrote (x += 1, then out += column sums of x, 32 times, 3 MB per launch)
 // on small integers, where every sum is exact in bf16 and fp32, so any launch that ran early shows.

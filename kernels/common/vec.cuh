@@ -1,5 +1,5 @@
-// Device helpers shared by the unfused kernels: 16-byte vector access to bf16 and fp32 data, and
-// warp / block sums.
+// Device helpers shared by the unfused kernels, the CODA passes and attention: 16-byte vector access to
+// bf16 and fp32 data, warp / block sums, the completion tickets of the last-block reductions, grid sizes.
 //
 // Every memory-bound kernel of the unfused mode moves data in 16-byte packets (8 bf16 or 4 fp32 values),
 // one packet per thread per step, so a warp touches 512 contiguous bytes: fully coalesced, and the
@@ -13,11 +13,9 @@
 #include <string>
 #include <type_traits>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 
-namespace coda::unfused {
-
-using bf16 = __nv_bfloat16;
+namespace coda {
 
 // A 16-byte packet of 8 bf16 values, widened to fp32.
 __device__ __forceinline__ void unpack_bf16x8(float (&out)[8], const uint4& raw) {
@@ -30,13 +28,13 @@ __device__ __forceinline__ void unpack_bf16x8(float (&out)[8], const uint4& raw)
   }
 }
 
-__device__ __forceinline__ uint4 load_packet(const bf16* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint4 load_packet(const __nv_bfloat16* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // 8 bf16 values at a 16-byte aligned address, widened to fp32.
-__device__ __forceinline__ void load_bf16x8(float (&out)[8], const bf16* p) { unpack_bf16x8(out, load_packet(p)); }
+__device__ __forceinline__ void load_bf16x8(float (&out)[8], const __nv_bfloat16* p) { unpack_bf16x8(out, load_packet(p)); }
 
 // Rounds 8 fp32 values to bf16 (round to nearest even) and stores them at a 16-byte aligned address.
-__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&in)[8]) {
+__device__ __forceinline__ void store_bf16x8(__nv_bfloat16* p, const float (&in)[8]) {
   uint4 raw;
   __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
 #pragma unroll
@@ -131,4 +129,4 @@ inline int sm_count() {
   return count;
 }
 
-}  // namespace coda::unfused
+}  // namespace coda

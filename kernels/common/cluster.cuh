@@ -17,7 +17,7 @@
 #include <string>
 #include <utility>
 
-#include "kernels/launch.cuh"
+#include "kernels/common/launch.cuh"
 
 namespace coda {
 
@@ -43,7 +43,7 @@ __device__ __forceinline__ float sum_over_cluster(float* local) {
 }
 
 // Launches kernel on a grid (cluster_blocks, blocks_y) of `threads`-thread blocks in clusters of
-// (cluster_blocks, 1, 1) with PDL (kernels/launch.cuh: the kernel calls start_after_previous_kernel()
+// (cluster_blocks, 1, 1) with PDL (kernels/common/launch.cuh: the kernel calls start_after_previous_kernel()
 // before its first global memory access), and checks the launch.
 template <typename... Params, typename... Args>
 void launch_clustered(void (*kernel)(Params...), int cluster_blocks, int blocks_y, int threads, cudaStream_t stream,

@@ -11,7 +11,7 @@
 
 #include <utility>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 
 namespace coda {
 

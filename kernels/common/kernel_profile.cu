@@ -1,5 +1,5 @@
 // See kernel_profile.cuh.
-#include "kernels/kernel_profile.cuh"
+#include "kernels/common/kernel_profile.cuh"
 
 #include <cxxabi.h>
 
@@ -12,7 +12,7 @@
 #include <mutex>
 #include <vector>
 
-#include "kernels/cuda_check.cuh"
+#include "kernels/common/cuda_check.cuh"
 
 namespace coda::profile {
 namespace {
