@@ -6,7 +6,7 @@
 // Scaled-gradient convention: the gradient dz of a GEMM that follows a norm travels as dz' = r dz, so the
 // weight gradient is a plain GEMM (RMSNorm: dz'^T O; LayerNorm: dz'^T (u / r), stored by the dgrad) and the
 // dgrad accumulator is D' = dz' W = r du; row dots for the norm backward (<dz, z>, <dz, c>, <dz, b'>) are
-// taken on the UNSCALED dz. Partials follow epilogue.cuh: row partials [N, count], column partials
+// taken on the UNSCALED dz. Partials follow kernels/epilogue/fragment.cuh: row partials [N, count], column partials
 // [groups, ld] (fp32). Every function enqueues on `stream` and checks its launch.
 
 #pragma once

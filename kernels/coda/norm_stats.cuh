@@ -4,7 +4,7 @@
 // All __host__ __device__: the host tests call the same functions the GPU path will.
 //
 // Row partials are rows of a [M, count] buffer (one entry per N tile of the producing GEMM); column
-// partials are [groups, ld] (one row per 16-row group of the producing GEMM), see epilogue.cuh.
+// partials are [groups, ld] (one row per 16-row group of the producing GEMM), see kernels/epilogue/fragment.cuh.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -149,7 +149,7 @@ CODA_HD void ln_weight_vectors(int n, const T* W, int in, const float* gamma, co
   b_prime[n] = sb + (bias ? bias[n] : 0.0f);
 }
 
-// ---- RMSNorm row operands (RowOf<Stat> in epilogue.cuh): statistics finished from partials as a GEMM
+// ---- RMSNorm row operands (RowOf<Stat> in kernels/epilogue/operands.cuh): statistics finished from partials as a GEMM
 // epilogue's rows begin ----
 
 // r = 1 / sqrt(mean(h^2) + eps): the row scale of the GEMM after an RMSNorm, and of its gradient dz' = r dz.

@@ -59,7 +59,7 @@ struct Config {
   static constexpr int kStages = stages_with(kInputBuffers);
   static constexpr int kSubs = kPingPong ? kBM / 64 : 1;     // m64 sub-blocks per consumer and tile
   // The program's column vectors (Program::column_bytes per accumulator column) are copied per tile into
-  // shared memory where that costs no ring stage (epilogue.cuh, copy_columns), one copy per consumer (a
+  // shared memory where that costs no ring stage (kernels/epilogue/operands.cuh, copy_columns), one copy per consumer (a
   // consumer synchronizes only its own threads): on the ping-pong 64x256 tile (34 KB left beside its four
   // stages), and on the cooperative tile where the two copies take at most the 1.75 KB it has left (one
   // bf16 vector; the LayerNorm programs' fp32 c and b' need 4 KB). Not on ping-pong 128x128, whose two
@@ -346,7 +346,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     if (lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
 #pragma unroll
     for (int s = 0; s < Cfg::kSubs; ++s) sm90::fence_registers(acc[s]);
-    // The tile's column-vector copies (cp.async in begin_rows, epilogue.cuh copy_columns) have landed;
+    // The tile's column-vector copies (cp.async in begin_rows, operands.cuh copy_columns) have landed;
     // the first chunk's barrier makes them visible to the whole consumer.
     if constexpr (Cfg::kColumnStaging) sm90::cp_async_wait_all();
 
