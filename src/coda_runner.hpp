@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/coda/attention_writeout.cuh"
 #include "kernels/coda/fused.cuh"
 #include "kernels/coda/norm_stats.cuh"
 #include "kernels/epilogue/epilogue.cuh"

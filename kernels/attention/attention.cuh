@@ -15,8 +15,6 @@
 
 #include <cstddef>
 
-#include "kernels/coda/norm_stats.cuh"
-
 namespace coda {
 
 struct AttentionShape {
@@ -31,31 +29,10 @@ void attention_forward(__nv_bfloat16* out, float* lse, const __nv_bfloat16* qkv,
 // per-(token, kv head) row dots of the k and v columns, ...).
 size_t attention_backward_workspace_bytes(const AttentionShape& shape);
 
-// The CODA mode's write-out of dqkv (kernels/coda/fused.cuh explains the scaled-gradient convention):
-// what the backward does to each finished packed row dz of dqkv before it is stored.
-//   1. Llama (rope_theta > 0): the inverse RoPE rotation of the q and k heads (adjacent pairs, position
-//      row % T, the forward's angles), giving the gradient of the QKV GEMM's output.
-//   2. Row dots of the QKV GEMM's norm backward on that unscaled dz, row partials with count 1:
-//      dot_z = <dz, z>, z = qkv as the forward stored it (RoPE is orthogonal, so the rotated pair
-//      gives the same dot); LayerNorm (c != nullptr): dot_c = <dz, c>, dot_b = <dz, b'> ([qkv_dim]).
-//   3. LayerNorm (col_b != nullptr): column partials col_b[g, j] = sum of dz over the rows of group g (the
-//      qkv bias gradient), ld = qkv_dim; a group is 16 consecutive positions of one sequence (the last one
-//      of a sequence shorter), group b * ceil(T / 16) + t / 16, attention_writeout_groups(shape) groups in
-//      all.
-//   4. The row scale: dqkv = r dz with r = stats.rstd(row), the norm's rstd.
-struct AttentionWriteout {
-  float rope_theta = 0.0f;
-  prog::NormPartials stats;
-  float* dot_z = nullptr;
-  const float* c = nullptr;
-  const float* b_prime = nullptr;
-  float* dot_c = nullptr;
-  float* dot_b = nullptr;
-  float* col_b = nullptr;
-};
-int attention_writeout_groups(const AttentionShape& shape);
+// The CODA mode's write-out of dqkv (kernels/coda/attention_writeout.cuh).
+struct AttentionWriteout;
 
-// writeout == nullptr: dqkv is the plain gradient (the unfused mode).
+// writeout == nullptr: dqkv is the plain gradient (the unfused mode); else the write-out's d_qkv'.
 void attention_backward(__nv_bfloat16* dqkv, const __nv_bfloat16* dout, const __nv_bfloat16* qkv,
                         const __nv_bfloat16* out, const float* lse, void* workspace, const AttentionShape& shape,
                         cudaStream_t stream, const AttentionWriteout* writeout = nullptr);

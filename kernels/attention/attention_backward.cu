@@ -6,7 +6,9 @@
 //  2. main: one block = one kv head x 128 keys; transposed products (S^T = K Q^T, dP^T = V dO^T), so dK and dV
 //     are register accumulators summed over the group's query heads without atomics; dS^T goes through a
 //     double-buffered shared tile; dQ = dS K in 64 x 64 units per consumer, staged, added by TMA reduce-add;
-//  3. dQ to bf16, or the CODA write-out of dqkv's q columns (the main kernel finishes k and v: finish_kv_rows).
+//  3. dQ to bf16, or with a CODA write-out its pass over dqkv's q columns. The write-out is a hook
+//     (kernels/coda/attention_writeout_kernels.cuh): the main kernel stages its inputs and finishes the k
+//     and v columns with it where a write-out is given (kv.dots != nullptr).
 // Tails: TMA zero-fills rows past T of a sequence ([B][T][cols] maps) and clips the dQ reduce-adds at T.
 
 #include "kernels/attention/attention.cuh"
@@ -19,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/coda/attention_writeout_kernels.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/kernel_profile.cuh"
 #include "kernels/common/vec.cuh"
@@ -71,7 +74,6 @@ constexpr int kBlockKeys = 2 * kKeysPerWg;  // keys per thread block
 constexpr int kDqRows = 64;                 // query rows of one dQ unit (one wgmma M tile)
 constexpr int kPadQ = 128;                  // T_pad: T rounded up to a multiple of every query step
 constexpr int kThreads = 384;               // producer warpgroup + 2 consumer warpgroups
-constexpr int kGroupRows = 16;              // rows of a CODA column-partial group: 16 keys of one sequence
 
 // The query step per head dim, and the block order (see the kernel), chosen by measurement against the
 // alternatives (docs/LOG.md). hd 64: 128-query steps (one wgmma N = 128 per product, half the steps and
@@ -103,41 +105,6 @@ struct Layout {
                        kRows = kStat + kStages * kStatBytes, kVecs = kRows + kRowBytes, kBar = kVecs + kVecBytes;
   static constexpr int kSmem = kBar + 8 * (1 + 2 * kStages) + 1024;  // + slack to align the base to 1024
 };
-
-// Reduce-scatter of kValues values per lane over the lanes that differ in the top log2(kValues) lane bits
-// (offsets 16, 8, ...): at each step a lane keeps one half of its values, adds the partner's copy of that
-// half and sends the other, about kValues shuffles in all. Leaves in v[0] of each lane the sum of its
-// value lane / (32 / kValues) over those lanes. One step per template instance, so that every loop has a
-// constant trip count and unrolls (v must stay in registers).
-template <int kHalf, int kOffset, int kValues>
-__device__ __forceinline__ void scatter_halves(float (&v)[kValues], int lane) {
-  if constexpr (kHalf >= 1) {
-    const bool upper = (lane & kOffset) != 0;
-#pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      const float keep = upper ? v[i + kHalf] : v[i], send = upper ? v[i] : v[i + kHalf];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
-    }
-    scatter_halves<kHalf / 2, kOffset / 2>(v, lane);
-  }
-}
-
-template <int kValues>
-__device__ __forceinline__ float sum_scattered(float (&v)[kValues], int lane) {
-  static_assert(kValues >= 1 && kValues <= 32 && (kValues & (kValues - 1)) == 0, "a power of two up to 32");
-  scatter_halves<kValues / 2, 16>(v, lane);
-  return v[0];
-}
-
-// Warp sums of kValues values per lane: the reduce-scatter, then the remaining lanes' shuffles. Returns in
-// each lane the warp's sum of value lane / (32 / kValues).
-template <int kValues>
-__device__ __forceinline__ float warp_sum_scattered(float (&v)[kValues], int lane) {
-  float sum = sum_scattered<kValues>(v, lane);
-#pragma unroll
-  for (int offset = 16 / kValues; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  return sum;
-}
 
 // acc[64 keys x kStepQ queries] = A[64 keys][HD] B[kStepQ queries][HD]^T, both K-major swizzled tiles:
 // S^T = K Q^T and dP^T = V dO^T (a_rows: the warpgroup's first key row in box 0 of K or V).
@@ -179,129 +146,11 @@ __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kStepQ / 16][4], co
     for (int i = 0; i < 4; ++i) a[kc][i] = pack_bf16(acc[8 * kc + 2 * i], acc[8 * kc + 2 * i + 1]);
 }
 
-// The CODA write-out's part for the k and v columns (header comment), done by the main kernel on the dK,
-// dV it holds (dots == nullptr: none, the unfused mode).
-struct KvWriteout {
-  AttentionWriteout w;
-  float* dots = nullptr;        // [B*T][n_kv_head][1 or 3]: <dz, z> (, <dz, c>, <dz, b'>) over the kv head's columns
-  float log2_freq_step = 0.0f;  // RoPE: -log2(theta) / HD
-  int groups_per_seq = 0;       // column-partial groups of a sequence, ceil(T / kGroupRows)
-};
-
-// The write-out's inputs of this block that are not tiles, staged in shared memory by the consumers
-// before their first product, so that their loads overlap the K and V tiles' TMA instead of adding to the
-// block's tail (one block per SM): r of the block's kBlockKeys keys (rows[key]), and for LayerNorm c and b'
-// of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b' of v, HD each). i: the consumer
-// thread, 0..255.
-template <int HD>
-__device__ __forceinline__ void stage_writeout_inputs(const KvWriteout& kv, float* rows, float* vecs, int i, int k0,
-                                                      int b, int T, int kvh, int n_head, int n_kv_head) {
-  const AttentionWriteout& w = kv.w;
-  if (i < kBlockKeys) rows[i] = w.stats.rstd(b * T + min(k0 + i, T - 1));
-  if (w.c != nullptr) {
-    const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
-    for (int j = i; j < 4 * HD; j += kThreads - 128) {  // over the 256 consumer threads
-      const int part = j / HD;
-      vecs[j] = (part < 2 ? w.c : w.b_prime)[(part % 2 == 0 ? k_cols : v_cols) + j % HD];
-    }
-  }
-}
-
-// On this thread's dz values of two key rows (warp_key0 + g and + 8; dk already times scale, dv): the
-// row dots <dz, z> against the k and v the K and V tiles still hold (as stored, rotated: the dot is the
-// same before the inverse rotation), the inverse RoPE of dk, then on the unrotated dz the LayerNorm dots
-// and the column partials (the warp's 16 keys are one group: two rows per thread, 8 lanes per column,
-// a reduce-scatter over those lanes leaves each lane one of 32 consecutive columns), the row dots summed
-// over the quad that holds the row and stored, and last the row scale: dz' = r dz.
-template <int HD>
-__device__ __forceinline__ void finish_kv_rows(float (&dk)[HD / 2], float (&dv)[HD / 2], const KvWriteout& kv,
-                                               const unsigned char* k_tile, const unsigned char* v_tile,
-                                               const float* rows, const float* vecs, int tile_row, int b, int T,
-                                               int kvh, int n_head, int n_kv_head, int warp_key0, int lane) {
-  const AttentionWriteout& w = kv.w;
-  const int g = lane >> 2, t = lane & 3;
-  const bool layernorm = w.c != nullptr;
-  bool valid[2];
-  float rstd[2], dots[3][2] = {};
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    valid[h] = warp_key0 + g + 8 * h < T;
-    rstd[h] = rows[tile_row + 8 * h];
-  }
-#pragma unroll
-  for (int i = 0; i < HD / 2; i += 2) {
-    const int h = (i >> 1) & 1, at = box_offset(kBlockKeys, tile_row + 8 * h, 8 * (i >> 2) + 2 * t);
-    const float2 kz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(k_tile + at));
-    const float2 vz = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(v_tile + at));
-    dots[0][h] += dk[i] * kz.x + dk[i + 1] * kz.y + dv[i] * vz.x + dv[i + 1] * vz.y;
-  }
-  if (w.rope_theta > 0.0f) {
-#pragma unroll
-    for (int i = 0; i < HD / 2; i += 2) {
-      const int h = (i >> 1) & 1, col = 8 * (i >> 2) + 2 * t;
-      float sin_a, cos_a;
-      epi::sincos_turns(static_cast<float>(warp_key0 + g + 8 * h) *
-                            epi::rope_turns_per_position(static_cast<float>(col), kv.log2_freq_step),
-                        &sin_a, &cos_a);
-      const float x0 = dk[i], x1 = dk[i + 1];
-      dk[i] = x0 * cos_a + x1 * sin_a;
-      dk[i + 1] = x1 * cos_a - x0 * sin_a;
-    }
-  }
-  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
-  if (layernorm) {
-#pragma unroll
-    for (int i = 0; i < HD / 2; i += 2) {
-      const int h = (i >> 1) & 1, col = 8 * (i >> 2) + 2 * t;
-      const float2 ck = *reinterpret_cast<const float2*>(vecs + col);
-      const float2 cv = *reinterpret_cast<const float2*>(vecs + HD + col);
-      const float2 bk = *reinterpret_cast<const float2*>(vecs + 2 * HD + col);
-      const float2 bv = *reinterpret_cast<const float2*>(vecs + 3 * HD + col);
-      dots[1][h] += dk[i] * ck.x + dk[i + 1] * ck.y + dv[i] * cv.x + dv[i + 1] * cv.y;
-      dots[2][h] += dk[i] * bk.x + dk[i + 1] * bk.y + dv[i] * bv.x + dv[i + 1] * bv.y;
-    }
-  }
-  if (w.col_b != nullptr && warp_key0 < T) {
-    const size_t group_row = (static_cast<size_t>(b) * kv.groups_per_seq + warp_key0 / kGroupRows) * qkv_dim;
-    auto column_partials = [&](const float (&dz)[HD / 2], int cols) {
-#pragma unroll
-      for (int block = 0; block < HD / 32; ++block) {  // 32 columns: 4 of the thread's pairs
-        float sum_b[8];
-#pragma unroll
-        for (int v = 0; v < 8; ++v) {
-          const int i = 4 * (4 * block + v / 2) + v % 2;  // row warp_key0 + g; i + 2: row + 8
-          sum_b[v] = (valid[0] ? dz[i] : 0.f) + (valid[1] ? dz[i + 2] : 0.f);
-        }
-        w.col_b[group_row + cols + 32 * block + 8 * (g >> 1) + 2 * t + (g & 1)] = sum_scattered<8>(sum_b, lane);
-      }
-    };
-    column_partials(dk, k_cols);
-    column_partials(dv, v_cols);
-  }
-  const int dot_count = layernorm ? 3 : 1;
-#pragma unroll
-  for (int d = 0; d < 3; ++d)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float dot = dots[d][h];
-      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-      dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-      const int key = warp_key0 + g + 8 * h;
-      if (d < dot_count && t == 0 && key < T)
-        kv.dots[((static_cast<size_t>(b) * T + key) * n_kv_head + kvh) * dot_count + d] = dot;
-    }
-#pragma unroll
-  for (int i = 0; i < HD / 2; ++i) {
-    const float r = rstd[(i >> 1) & 1];
-    dk[i] *= r;
-    dv[i] *= r;
-  }
-}
-
 template <int HD, int kStepQ>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
-                              const __grid_constant__ CUtensorMap dq_map, bf16* dqkv, const KvWriteout kv,
+                              const __grid_constant__ CUtensorMap dq_map, bf16* dqkv,
+                              const attention_writeout::KvWriteout kv,
                               const float* lse2, const float* dsum, int T, int T_pad, int n_head, int n_kv_head,
                               float scale_log2, int group_pairs) {
   using L = Layout<HD, kStepQ>;
@@ -378,7 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* writeout_rows = reinterpret_cast<float*>(smem + L::kRows);
   float* writeout_vecs = reinterpret_cast<float*>(smem + L::kVecs);
   if (kv.dots != nullptr)
-    stage_writeout_inputs<HD>(kv, writeout_rows, writeout_vecs, threadIdx.x - 128, k0, b, T, kvh, n_head, n_kv_head);
+    attention_writeout::stage_writeout_inputs<HD, kBlockKeys, kThreads - 128>(
+        kv, writeout_rows, writeout_vecs, threadIdx.x - 128, k0, b, T, kvh, n_head, n_kv_head);
   sm90::mbar_wait(bar_kv, 0);
 
   for (int step = 0; step < n_steps; ++step) {
@@ -493,8 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) dk[i] *= scale_log2 / kLog2e;
   if (kv.dots != nullptr)
-    finish_kv_rows<HD>(dk, dv, kv, smem + L::kK, smem + L::kV, writeout_rows, writeout_vecs, tile_row, b, T, kvh,
-                       n_head, n_kv_head, key0 + warp * 16, lane);
+    attention_writeout::finish_kv_rows<HD, kBlockKeys>(dk, dv, kv, smem + L::kK, smem + L::kV, writeout_rows,
+                                                       writeout_vecs, tile_row, b, T, kvh, n_head, n_kv_head,
+                                                       key0 + warp * 16, lane);
 #pragma unroll
   for (int i = 0; i < HD / 2; i += 2) {
     const int row = tile_row + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t;
@@ -534,165 +385,6 @@ __global__ void attention_backward_epilogue_kernel(bf16* dqkv, const float* dq_a
   *reinterpret_cast<uint4*>(dqkv + bt * (static_cast<size_t>(n_head + 2 * n_kv_head) * HD) + col) = packed;
 }
 
-// ---- the CODA write-out --------------------------------------------------------------------------
-constexpr int kBatchRows = 4;            // rows whose loads a thread issues together
-constexpr int kWriteoutMaxThreads = 256;
-
-// One block per column-partial group (kGroupRows consecutive positions of one sequence; the last group of
-// a sequence may be shorter) of the q columns of dqkv [B*T, qkv_dim] (header comment); its threads take
-// the row's 8-column chunks in turn, each chunk down the group's rows, kBatchRows rows' loads issued
-// together (a streaming pass: enough loads must be in flight). kDots: 1 (<dz, z>) or 3 (LayerNorm: also
-// <dz, c>, <dz, b'>), kept per row of a batch and summed over the warp when the batch is done; the warps'
-// sums meet in shared memory with the row's k and v parts (kv_dots, one per kv head) in a fixed order.
-template <int HD, int kDots>
-__global__ void __launch_bounds__(kWriteoutMaxThreads)
-    attention_backward_writeout_kernel(bf16* __restrict__ dqkv, const float* __restrict__ dq_accum,
-                                       const bf16* __restrict__ qkv, const float* __restrict__ kv_dots,
-                                       const AttentionWriteout w, int T, int groups_per_seq, int n_head,
-                                       int n_kv_head, float scale, bool rope, float log2_freq_step) {
-  constexpr int kDotSlots = kDots == 3 ? 4 : 1;            // per row, a power of two
-  constexpr int kBatchValues = kBatchRows * kDotSlots;     // dot values per thread and batch
-  constexpr int kLanesPerValue = 32 / kBatchValues;
-  __shared__ float s_rstd[kGroupRows];
-  __shared__ float s_dots[kWriteoutMaxThreads / 32][kGroupRows * kDotSlots];
-  const int b = blockIdx.x / groups_per_seq, t0 = blockIdx.x % groups_per_seq * kGroupRows;
-  const int row0 = b * T + t0, rows = min(kGroupRows, T - t0), warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x < kGroupRows)
-    s_rstd[threadIdx.x] = static_cast<int>(threadIdx.x) < rows ? w.stats.rstd(row0 + threadIdx.x) : 0.f;
-  for (int i = threadIdx.x; i < kWriteoutMaxThreads / 32 * kGroupRows * kDotSlots; i += blockDim.x)
-    (&s_dots[0][0])[i] = 0.f;
-
-  const int qkv_dim = (n_head + 2 * n_kv_head) * HD, chunks = n_head * HD / 8;
-  // Every thread runs every pass (the shuffles need whole warps); past the last chunk it runs on chunk 0
-  // and drops its results.
-  for (int pass = 0; pass < chunks; pass += blockDim.x) {
-    const bool active = pass + static_cast<int>(threadIdx.x) < chunks;
-    const int col = active ? (pass + threadIdx.x) * 8 : 0, head = col / HD, d = col % HD;
-    float freq[4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) freq[p] = epi::rope_turns_per_position(static_cast<float>(d + 2 * p), log2_freq_step);
-    float c[8], b_prime[8];
-    if constexpr (kDots == 3) {
-      load_f32x8(c, w.c + col);
-      load_f32x8(b_prime, w.b_prime + col);
-    }
-    float col_b[8] = {};
-#pragma unroll 1
-    for (int r0 = 0; r0 < kGroupRows; r0 += kBatchRows) {
-      // The batch's loads: dz (the scaled dQ accumulator) and z (the stored q).
-      float dz[kBatchRows][8];
-      uint4 z_raw[kBatchRows];
-#pragma unroll
-      for (int r = 0; r < kBatchRows; ++r) {
-        const int t = t0 + min(r0 + r, rows - 1);
-        load_f32x8(dz[r], dq_accum + ((static_cast<size_t>(b) * n_head + head) * T + t) * HD + d);
-        z_raw[r] = __ldg(reinterpret_cast<const uint4*>(qkv + (static_cast<size_t>(b) * T + t) * qkv_dim + col));
-      }
-      if (pass == 0 && r0 == 0) __syncthreads();  // s_rstd and the zeroed s_dots are ready
-      float dots[kBatchValues] = {};
-#pragma unroll
-      for (int r = 0; r < kBatchRows; ++r) {
-        const int t = t0 + r0 + r;
-        const bool valid = active && r0 + r < rows;
-        float z[8];
-        unpack_bf16x8(z, z_raw[r]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          dz[r][i] *= valid ? scale : 0.f;
-          dots[r * kDotSlots] += dz[r][i] * z[i];
-        }
-        if (rope) {
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            float sin_a, cos_a;
-            epi::sincos_turns(static_cast<float>(t) * freq[p], &sin_a, &cos_a);
-            const float x0 = dz[r][2 * p], x1 = dz[r][2 * p + 1];
-            dz[r][2 * p] = x0 * cos_a + x1 * sin_a;
-            dz[r][2 * p + 1] = x1 * cos_a - x0 * sin_a;
-          }
-        }
-        if constexpr (kDots == 3) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            dots[r * kDotSlots + 1] += dz[r][i] * c[i];
-            dots[r * kDotSlots + 2] += dz[r][i] * b_prime[i];
-          }
-        }
-        if (w.col_b != nullptr) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) col_b[i] += dz[r][i];
-        }
-        const float rs = s_rstd[r0 + r];
-        if (valid)
-          *reinterpret_cast<uint4*>(dqkv + static_cast<size_t>(row0 + r0 + r) * qkv_dim + col) =
-              make_uint4(pack_bf16(rs * dz[r][0], rs * dz[r][1]), pack_bf16(rs * dz[r][2], rs * dz[r][3]),
-                         pack_bf16(rs * dz[r][4], rs * dz[r][5]), pack_bf16(rs * dz[r][6], rs * dz[r][7]));
-      }
-      const float warp_total = warp_sum_scattered<kBatchValues>(dots, lane);
-      if (lane % kLanesPerValue == 0) s_dots[warp][r0 * kDotSlots + lane / kLanesPerValue] += warp_total;
-    }
-    if (w.col_b != nullptr && active)
-      store_f32x8(w.col_b + static_cast<size_t>(blockIdx.x) * qkv_dim + col, col_b);
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < rows * kDots; i += blockDim.x) {
-    const int r = i / kDots, k = i % kDots, row = row0 + r;
-    float sum = 0.f;
-    for (int wp = 0; wp < static_cast<int>(blockDim.x / 32); ++wp) sum += s_dots[wp][r * kDotSlots + k];
-    for (int kvh = 0; kvh < n_kv_head; ++kvh) sum += kv_dots[(static_cast<size_t>(row) * n_kv_head + kvh) * kDots + k];
-    (k == 0 ? w.dot_z : k == 1 ? w.dot_c : w.dot_b)[row] = sum;
-  }
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-void validate_writeout(const AttentionWriteout& w) {
-  auto fail = [](const std::string& what) {
-    throw std::invalid_argument("attention_backward: AttentionWriteout " + what);
-  };
-  if (!(w.rope_theta >= 0.0f) || std::isinf(w.rope_theta))
-    fail("rope_theta=" + std::to_string(w.rope_theta) + " (0: no RoPE, > 0: RoPE)");
-  if (w.stats.sumsq == nullptr || w.stats.count <= 0 || w.stats.d <= 0)
-    fail("stats: sumsq, count=" + std::to_string(w.stats.count) + " and d=" + std::to_string(w.stats.d) +
-         " are required");
-  if (w.dot_z == nullptr) fail("dot_z is required");
-  const bool ln_dots = w.c != nullptr;
-  if (ln_dots != (w.b_prime != nullptr) || ln_dots != (w.dot_c != nullptr) || ln_dots != (w.dot_b != nullptr))
-    fail("c, b_prime, dot_c, dot_b: all or none");
-  if (!aligned16(w.c) || !aligned16(w.b_prime) || !aligned16(w.col_b))
-    fail("c, b_prime, col_b must be 16-byte aligned");
-}
-
-int groups_per_sequence(int T) { return (T + kGroupRows - 1) / kGroupRows; }
-
-float rope_log2_freq_step(const AttentionWriteout& w, int HD) {
-  return w.rope_theta > 0.0f ? -std::log2(w.rope_theta) / static_cast<float>(HD) : 0.0f;
-}
-
-template <int HD>
-void launch_writeout(bf16* dqkv, const float* dq_accum, const bf16* qkv, const float* kv_dots,
-                     const AttentionWriteout& w, const AttentionShape& s, float scale, cudaStream_t stream) {
-  // Threads: whole warps that divide the q columns' chunks evenly where they can (gpt2-124m: 96 chunks, 96
-  // threads; llama3.2-1b: 256, 128), so no lane idles; small blocks, so that several fill an SM.
-  const int chunks = s.n_head * HD / 8;
-  int threads = std::min(kWriteoutMaxThreads, (chunks + 31) / 32 * 32);
-  for (int warps = 6; warps >= 1 && chunks % 32 == 0; --warps)
-    if (chunks / 32 % warps == 0) {
-      threads = 32 * warps;
-      break;
-    }
-  const int groups_per_seq = groups_per_sequence(s.T), blocks = s.B * groups_per_seq;
-  const bool rope = w.rope_theta > 0.0f;
-  const float log2_freq_step = rope_log2_freq_step(w, HD);
-  if (w.c != nullptr)
-    attention_backward_writeout_kernel<HD, 3><<<blocks, threads, 0, stream>>>(
-        dqkv, dq_accum, qkv, kv_dots, w, s.T, groups_per_seq, s.n_head, s.n_kv_head, scale, rope, log2_freq_step);
-  else
-    attention_backward_writeout_kernel<HD, 1><<<blocks, threads, 0, stream>>>(
-        dqkv, dq_accum, qkv, kv_dots, w, s.T, groups_per_seq, s.n_head, s.n_kv_head, scale, rope, log2_freq_step);
-  CUDA_CHECK_LAUNCH();
-}
-
 constexpr size_t kWorkspaceAlign = 256;
 size_t dq_accum_bytes(const AttentionShape& s) {
   const size_t bytes = static_cast<size_t>(s.B) * s.n_head * s.T * s.head_dim * sizeof(float);
@@ -728,10 +420,11 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   const int n_pairs = s.B * s.n_kv_head, n_kblocks = (s.T + kBlockKeys - 1) / kBlockKeys;
   const int group_pairs = Tuning<HD>::kGroupPairs > 0 ? std::min(Tuning<HD>::kGroupPairs, n_pairs) : n_pairs;
   region.emplace("attention backward: main", profile::Work::Attention, stream);
-  KvWriteout kv;
+  attention_writeout::KvWriteout kv;
   if (writeout != nullptr) {
     kv.w = *writeout, kv.dots = kv_dots;
-    kv.log2_freq_step = rope_log2_freq_step(*writeout, HD), kv.groups_per_seq = groups_per_sequence(s.T);
+    kv.log2_freq_step = attention_writeout::rope_log2_freq_step(*writeout, HD);
+    kv.groups_per_seq = attention_writeout::groups_per_sequence(s.T);
   }
   kernel<<<n_pairs * n_kblocks, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv, kv, lse2, dsum, s.T,
                                                            T_pad, s.n_head, s.n_kv_head, scale * kLog2e, group_pairs);
@@ -739,7 +432,7 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
 
   if (writeout != nullptr) {
     region.emplace("attention backward: write-out", profile::Work::Attention, stream);
-    launch_writeout<HD>(dqkv, dq_accum, qkv, kv_dots, *writeout, s, scale, stream);
+    attention_writeout::launch_writeout<HD>(dqkv, dq_accum, qkv, kv_dots, *writeout, s, scale, stream);
     return;
   }
   region.emplace("attention backward: dq conversion", profile::Work::Attention, stream);
@@ -761,13 +454,11 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
                         void* workspace, const AttentionShape& shape, cudaStream_t stream,
                         const AttentionWriteout* writeout) {
   validate_attention_shape(shape);
-  if (writeout != nullptr) validate_writeout(*writeout);
+  if (writeout != nullptr) attention_writeout::validate_writeout(*writeout);
   if (shape.head_dim == 64)
     backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout);
   else
     backward<128>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout);
 }
-
-int attention_writeout_groups(const AttentionShape& shape) { return shape.B * groups_per_sequence(shape.T); }
 
 }  // namespace coda

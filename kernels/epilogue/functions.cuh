@@ -107,7 +107,7 @@ struct SwiGlu {
 };
 
 // The RoPE angle math, shared by the forward (Rope below) and the attention backward's inverse rotation
-// (kernels/attention): pair i of a head turns by position * theta^(-2i / head_dim). Angles are kept in
+// (kernels/coda/attention_writeout_kernels.cuh): pair i of a head turns by position * theta^(-2i / head_dim). Angles are kept in
 // turns (angle / 2 pi: the 1 / 2 pi folds into the exponent of the frequency) and reduced to
 // [-1/2, 1/2] turn by subtracting the nearest integer before the hardware sine and cosine. Angle error
 // ~2e-7 * |angle| on the GPU (the hardware exp2; 4e-4 rad at position 2047), far below bf16's 4e-3.

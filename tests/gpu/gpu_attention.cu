@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/attention/attention.cuh"
+#include "kernels/coda/attention_writeout.cuh"
 #include "src/ref_ops.hpp"
 #include "tests/gpu_test_util.cuh"
 
