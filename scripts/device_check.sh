@@ -5,7 +5,7 @@
 # one, and `coda train` of gpt2-124m against its bench step; then a summary table (the last output lines).
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
-#   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and fused-kernel benchmarks
+#   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
 # Logs and the bench JSON go to $OUT when it is set, else to the build directory. The script keeps going
 # after a failed step and exits non-zero if any step failed.
 set -uo pipefail
@@ -18,7 +18,7 @@ mkdir -p "$logs"
 status=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 targets=(coda gpu_tests bench_programs bench_gemm)
-[[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]] && targets+=(bench_unfused_kernels bench_fused)
+[[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]] && targets+=(bench_unfused_kernels bench_passes)
 
 if [[ -z "${CODA_PREBUILT:-}" ]]; then
   echo "== build ($build, $(nproc) cores)"
@@ -42,7 +42,7 @@ grep -E '^\[  FAILED|^\[  PASSED' "$logs/gpu_tests_mpi.log"
 
 if [[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]]; then
   "$bin/bench_unfused_kernels" >"$logs/bench_kernels.log" 2>&1 || status=1
-  "$bin/bench_fused" >"$logs/bench_fused.log" 2>&1 || status=1
+  "$bin/bench_passes" >"$logs/bench_passes.log" 2>&1 || status=1
 fi
 
 bench() {  # name config B T

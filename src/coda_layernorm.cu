@@ -1,6 +1,6 @@
 // The CODA mode of the LayerNorm family (GPT-2): every LayerNorm, bias, GELU, residual add and the loss run
 // in the epilogues of its GEMMs (kernels/coda/gpt2_programs.cuh), next to the attention kernels and the
-// passes of kernels/coda/fused.cuh. Buffers as in coda_runner.hpp. LayerNorm is reparameterized through the weight
+// passes of kernels/coda/passes.cuh. Buffers as in coda_runner.hpp. LayerNorm is reparameterized through the weight
 // vectors c = W gamma, b' = W beta + bias; gradients travel scaled (dz' = r dz) and the weight gradients of
 // normed layers read u / r, which the LayerNorm-backward dgrad stores. Every piece finishes its own layer's
 // gradients, so the data-parallel bucket overlap of CudaBackend holds (step_runner.hpp).
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "coda_runner.hpp"
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/coda/gpt2_programs.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
@@ -113,12 +113,12 @@ void CodaLayerNormRunner::weight_vectors() {
   const int C = config_.d_model;
   for (int l = 0; l < config_.n_layer; ++l) {
     const LayerParams& p = layout_.layers[l];
-    fused::ln_weight_vectors(qkv_vectors_[l].c, qkv_vectors_[l].b_prime, weight(p.qkv_w), config_.qkv_dim(), C,
+    passes::ln_weight_vectors(qkv_vectors_[l].c, qkv_vectors_[l].b_prime, weight(p.qkv_w), config_.qkv_dim(), C,
                              weight(p.norm1_w), weight(p.norm1_b), weight(p.qkv_b), stream_);
-    fused::ln_weight_vectors(fc_vectors_[l].c, fc_vectors_[l].b_prime, weight(p.mlp_up_w), config_.d_ff, C,
+    passes::ln_weight_vectors(fc_vectors_[l].c, fc_vectors_[l].b_prime, weight(p.mlp_up_w), config_.d_ff, C,
                              weight(p.norm2_w), weight(p.norm2_b), weight(p.mlp_up_b), stream_);
   }
-  fused::ln_weight_vectors(head_vectors_.c, head_vectors_.b_prime, weight(layout_.head_weight()),
+  passes::ln_weight_vectors(head_vectors_.c, head_vectors_.b_prime, weight(layout_.head_weight()),
                            config_.padded_vocab(), C, weight(layout_.normf_w), weight(layout_.normf_b), nullptr,
                            stream_);
 }
@@ -175,8 +175,8 @@ void CodaLayerNormRunner::head_forward(int B, int T) {
 
 // ---- backward ----
 
-// Backward (scaled-gradient convention of fused.cuh; d_residual = gradient of the residual stream):
-//   head      fused::dlogits -> dlogits' = r dz with the row dots of the final norm; d_residual = 0, then
+// Backward (scaled-gradient convention of passes.cuh; d_residual = gradient of the residual stream):
+//   head      passes::dlogits -> dlogits' = r dz with the row dots of the final norm; d_residual = 0, then
 //             the LayerNorm-backward dgrad (dlogits' Wte) adds the final norm's dh and stores u / r over
 //             normf; wgrad += dlogits'^T (u / r) (no bias, so dlogits takes no column sums).
 //   proj      dgrad d_act = dz' of the fc output (GELU backward, row dots, col_b: proj_dgrad_program);
@@ -198,7 +198,7 @@ void CodaLayerNormRunner::ln_backward(const bf16* dz_scaled, size_t W, int K, co
   };
   dgrad(prog::gpt2::ln_backward_program(norm_partials(stats), dots, h, C, weight(norm_w), weight(norm_b),
                                         d_residual_, ln_cols_, norm_out_over_rstd));
-  fused::add_column_partials({{grad(norm_w), ln_cols_.dgamma}, {grad(norm_b), ln_cols_.dbeta},
+  passes::add_column_partials({{grad(norm_w), ln_cols_.dgamma}, {grad(norm_b), ln_cols_.dbeta},
                               {grad(residual_bias), ln_cols_.residual}},
                              groups, C, C, 1.0f, stream_);
 }
@@ -206,17 +206,17 @@ void CodaLayerNormRunner::ln_backward(const bf16* dz_scaled, size_t W, int K, co
 void CodaLayerNormRunner::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* norm_out_over_rstd,
                                       int rows, int N, int groups) {
   gemm_wgrad(grad(W), dz_scaled, norm_out_over_rstd, rows, config_.d_model, N, true, stream_);
-  fused::add_column_partials({{grad(bias), col_b_}}, groups, rows, rows, 1.0f, stream_);
+  passes::add_column_partials({{grad(bias), col_b_}}, groups, rows, rows, 1.0f, stream_);
 }
 
 void CodaLayerNormRunner::head_backward(int B, int T, float dloss) {
   const int N = B * T, C = config_.d_model, V = config_.padded_vocab();
-  fused::DlogitsArgs args = dlogits_args(N, dloss, dot_z_);
+  passes::DlogitsArgs args = dlogits_args(N, dloss, dot_z_);
   args.c = head_vectors_.c;
   args.b_prime = head_vectors_.b_prime;
   args.dot_c = dot_c_;
   args.dot_b = dot_b_;
-  fused::dlogits(args, stream_);
+  passes::dlogits(args, stream_);
 
   // The dgrad overwrites O of the final norm (read by the forward's LM head only) with u / r, and the
   // weight gradient is the plain dz'^T (u / r).

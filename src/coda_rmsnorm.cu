@@ -1,8 +1,8 @@
 // The CODA mode of the RMSNorm family (Llama): every RMSNorm, RoPE, SwiGLU, residual add and the loss run
 // in the epilogues of its GEMMs (kernels/coda/llama_programs.cuh), next to the attention kernels and the
-// passes of kernels/coda/fused.cuh. Buffers as in coda_runner.hpp. Six program types, each one GEMM kernel
+// passes of kernels/coda/passes.cuh. Buffers as in coda_runner.hpp. Six program types, each one GEMM kernel
 // instantiation per tile: qkv, residual (out-proj and down), gate/up, LM head, norm backward (head, gate/up
-// and QKV dgrads), SwiGLU backward. Gradients travel scaled (dz' = r dz, fused.cuh).
+// and QKV dgrads), SwiGLU backward. Gradients travel scaled (dz' = r dz, passes.cuh).
 // Details: docs/CODA.md, "Llama"; the program of each GEMM above block_forward and block_backward below.
 
 #include <cmath>
@@ -10,7 +10,7 @@
 #include <string>
 
 #include "coda_runner.hpp"
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/coda/llama_programs.cuh"
 #include "kernels/gemm/gemm_launch.cuh"
 
@@ -126,10 +126,10 @@ void CodaRmsNormRunner::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int
                               norm_backward_program(norm_partials(stats), dot_z_, dot_count, h, C, weight(gamma),
                                                     dgamma_partials_),
                               stream_);
-  fused::add_column_partials({{grad(gamma), dgamma_partials_}}, prog::column_partial_groups(N), C, C, 1.0f, stream_);
+  passes::add_column_partials({{grad(gamma), dgamma_partials_}}, prog::column_partial_groups(N), C, C, 1.0f, stream_);
 }
 
-// Backward (scaled-gradient convention, fused.cuh): d_residual holds the gradient of the stream above.
+// Backward (scaled-gradient convention, passes.cuh): d_residual holds the gradient of the stream above.
 //   head      dlogits' = rf dz in place, with <dz, logits>; dgrad d_residual = norm backward (written
 //             fresh); wgrad += dlogits'^T Of; final-norm gamma from column partials
 //   down      dgrad d_up = rf2 (SwiGLU backward of d_residual Wdown) with <dz, (g, u)>; wgrad += d_res^T act
@@ -139,7 +139,7 @@ void CodaRmsNormRunner::norm_backward_dgrad(const bf16* dz_scaled, size_t w, int
 //   QKV       dgrad d_residual += norm1 backward of d_qkv' Wqkv; wgrad += d_qkv'^T O1; gamma1
 void CodaRmsNormRunner::head_backward(int B, int T, float dloss) {
   const int N = B * T, C = config_.d_model, Vp = config_.padded_vocab();
-  fused::dlogits(dlogits_args(N, dloss, dot_z_), stream_);
+  passes::dlogits(dlogits_args(N, dloss, dot_z_), stream_);
   norm_backward_dgrad(io.logits, layout_.head_weight(), N, Vp, normf_stats_, 1, h_final_, layout_.normf_w,
                       false);
   gemm_wgrad(grad(layout_.head_weight()), io.logits, o_final_, Vp, C, N, true, stream_);

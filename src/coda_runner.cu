@@ -4,7 +4,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 
 namespace coda {
 
@@ -69,8 +69,8 @@ prog::NormPartials CodaRunner::norm_partials(const NormStatsBuffers& stats) cons
   return p;
 }
 
-fused::DlogitsArgs CodaRunner::dlogits_args(int N, float dloss, float* dot_z) const {
-  fused::DlogitsArgs args;
+passes::DlogitsArgs CodaRunner::dlogits_args(int N, float dloss, float* dot_z) const {
+  passes::DlogitsArgs args;
   args.dlogits = io.logits;
   args.logits = io.logits;
   args.lse = io.logits_lse;
@@ -91,13 +91,13 @@ CodaRunner::NormStatsBuffers& CodaRunner::next_norm_stats(int layer) {
 void CodaRunner::embedding_forward(int B, int T) {
   LayerActivations& a = layers_[0];
   NormStatsBuffers& stats = norm1_stats_[0];
-  fused::embedding_forward(a.h, a.o1, stats.sum, stats.sumsq, io.tokens, weight(layout_.wte), weight(layout_.wpe),
+  passes::embedding_forward(a.h, a.o1, stats.sum, stats.sumsq, io.tokens, weight(layout_.wte), weight(layout_.wpe),
                            weight(layout_.layers[0].norm1_w), B, T, config_.d_model, stream_);
   stats.count = 1;
 }
 
 void CodaRunner::loss_forward(int B, int T) {
-  fused::loss_from_partials(io.losses, io.logits_lse, lse_partials_, lse_count_, target_logit_, B * T, stream_);
+  passes::loss_from_partials(io.losses, io.logits_lse, lse_partials_, lse_count_, target_logit_, B * T, stream_);
 }
 
 void CodaRunner::embedding_backward(int B, int T) { embedding_backward_from(d_residual_, B, T); }

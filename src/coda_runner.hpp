@@ -1,6 +1,6 @@
 // The CODA mode: every non-attention operation of the forward and backward pass runs in the epilogue of a
 // GEMM (kernels/coda/*_programs.cuh on the GEMM of kernels/gemm), next to the attention kernels and the
-// few passes of kernels/coda/fused.cuh. docs/CODA.md explains each program. CodaRunner holds what both
+// few passes of kernels/coda/passes.cuh. docs/CODA.md explains each program. CodaRunner holds what both
 // families share; CodaLayerNormRunner (coda_layernorm.cu) and CodaRmsNormRunner (coda_rmsnorm.cu) run
 // the blocks and the head.
 // The saved activations are what the fused math keeps, not the plain norm outputs of the unfused mode:
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "kernels/coda/attention_writeout.cuh"
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/coda/norm_stats.cuh"
 #include "kernels/epilogue/epilogue.cuh"
 #include "kernels/gemm/gemm.cuh"
@@ -62,7 +62,7 @@ class CodaRunner : public StepRunner {
   prog::NormPartials norm_partials(const NormStatsBuffers& stats) const;
   // The dlogits pass over the logits in place, with the final norm's statistics and <dz, z> into dot_z:
   // what both families pass (LayerNorm adds its vectors and dots).
-  fused::DlogitsArgs dlogits_args(int N, float dloss, float* dot_z) const;
+  passes::DlogitsArgs dlogits_args(int N, float dloss, float* dot_z) const;
   // The residual stream leaving layer l: the next layer's h, or h_final_ after the last.
   bf16* layer_output(int layer) const { return layer + 1 < config_.n_layer ? layers_[layer + 1].h : h_final_; }
   // The statistics a layer's residual epilogues write: norm2 of the same layer, or norm1 of the next one

@@ -9,7 +9,7 @@
 
 namespace coda {
 
-// The CODA mode's write-out of dqkv (kernels/coda/fused.cuh explains the scaled-gradient convention):
+// The CODA mode's write-out of dqkv (kernels/coda/passes.cuh explains the scaled-gradient convention):
 // what the backward does to each finished packed row dz of dqkv before it is stored.
 //   1. Llama (rope_theta > 0): the inverse RoPE rotation of the q and k heads (adjacent pairs, position
 //      row % T, the forward's angles), giving the gradient of the QKV GEMM's output.

@@ -1,8 +1,8 @@
 // The CODA programs of a GPT-2 block (LayerNorm, biases, GELU), each the epilogue of one GEMM; the
 // derivations are in docs/CODA.md ("GPT-2"). Residual stream h [M, d]; LayerNorm u = (h - mu) r (.) gamma
 // + beta; next GEMM z = u W^T + bias, W [n, d]. Forward: z = r (O W^T - mu c) + b' with O = h (.) gamma,
-// c = W gamma, b' = W beta + bias (fused::ln_weight_vectors), mu and r finished from the producer's
-// partials once per row (RowStage, norm_stats.cuh). Backward in the scaled form of fused.cuh:
+// c = W gamma, b' = W beta + bias (passes::ln_weight_vectors), mu and r finished from the producer's
+// partials once per row (RowStage, norm_stats.cuh). Backward in the scaled form of passes.cuh:
 // dh = D' (.) gamma - k h + e with k = r^2 S2 / d, e = k mu - r S1 / d, S1 = <dz, c>, S2 = <dz, z> -
 // <dz, b'> (row dots of the unscaled dz); the dgrad stores u / r over O, so dW = dz'^T (u / r); the
 // residual gradient's column sums on the way out are the bias gradient of the projection below.

@@ -1,7 +1,7 @@
 // The CODA programs of a Llama block (RMSNorm, RoPE, SwiGLU), each the epilogue of one GEMM. RMSNorm
 // u = (h r) (.) gamma, r = 1 / sqrt(mean(h^2) + eps), is reparameterized: z = u W^T = diag(r) (O W^T) with
 // O = h (.) gamma, so the GEMM that produces h writes O and the row partials of h^2 (NormPartials), and the
-// next GEMM's epilogue finishes r as its rows begin (RmsRstd). Backward in the scaled form of fused.cuh
+// next GEMM's epilogue finishes r as its rows begin (RmsRstd). Backward in the scaled form of passes.cuh
 // (dz' = r dz): dh = D' (.) gamma - k h, k = r^2 <dz, z> / d, <dz, z> taken on the UNSCALED dz as row
 // partials by whoever produces dz. The program type each function returns (named below it) is the one the
 // GEMM kernel is compiled for (CMakeLists.txt, CODA_GEMM_PROGRAMS). Parameter vectors (gamma) are the bf16
@@ -45,7 +45,7 @@ using GateUpProgram = decltype(gate_up_program({}, nullptr, 0));
 
 // LM head with the final norm: logits = diag(r) (O Wv^T) over the padded vocabulary; the target logit
 // and per-N-tile online log-sum-exp partials over the columns < vocab, so loss = merge_lse(partials) -
-// target logit needs no second pass over the logits (fused::loss_from_partials).
+// target logit needs no second pass over the logits (passes::loss_from_partials).
 inline auto lm_head_program(const NormPartials& stats, const int32_t* targets, float* target_logit,
                             LogSumExp::Out* lse_partials, int vocab) {
   return make_program(RowScale(RmsRstd{stats}), RowPick(targets, target_logit),

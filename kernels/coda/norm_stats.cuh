@@ -82,7 +82,7 @@ struct NormPartials {
 };
 
 // ---- LayerNorm statistics as row values, finished once per row by a RowStage ----
-// Forward: z = r (O W^T - mu c) + b' reads LnRstd and LnMean. Backward (scaled form, fused.cuh:
+// Forward: z = r (O W^T - mu c) + b' reads LnRstd and LnMean. Backward (scaled form, passes.cuh:
 // the dgrad accumulator is D' = r du): dh = D' (.) gamma - k h + e reads LnBackwardK and LnBackwardE;
 // dgamma = colsum(D' (.) (h - mu)) reads LnMean; dbeta = colsum(D' / r) reads LnInvRstd. A program that
 // reads them starts with RowStage<LnRows> (or RowStage<LnBackwardRows> for k and e), which finishes the

@@ -77,7 +77,7 @@ inline std::vector<double> median_millijoules(const std::vector<std::function<vo
   return medians;
 }
 
-// median_ms_each (bench_attention, bench_fused, bench_unfused_kernels): one contender, each run timed on
+// median_ms_each (bench_attention, bench_passes, bench_unfused_kernels): one contender, each run timed on
 // its own, optionally after an untimed preparation such as L2Flush (a kernel's time with its inputs in
 // DRAM, as in a training step where the tensors are far larger than the L2).
 // Median ms over `timed_runs` runs of run(i), after `warmup` untimed ones; before(i), if given, runs

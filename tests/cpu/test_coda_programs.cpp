@@ -308,7 +308,7 @@ struct LnLinear {
     ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, N);
     return acc;
   }
-  // dz' = r dz, the scaled gradient handed to the dgrad and wgrad GEMMs (fused.cuh).
+  // dz' = r dz, the scaled gradient handed to the dgrad and wgrad GEMMs (passes.cuh).
   Vec scaled(const Vec& dz) const {
     Vec s(dz.size());
     for (size_t i = 0; i < dz.size(); ++i) s[i] = stats().ln_stats(int(i / N)).rstd * dz[i];

@@ -13,13 +13,13 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/common/cluster.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/kernel_profile.cuh"
 #include "kernels/common/vec.cuh"
 
-namespace coda::fused {
+namespace coda::passes {
 
 namespace {
 
@@ -213,16 +213,16 @@ void launch_dlogits_layernorm(const DlogitsArgs& args, cudaStream_t stream) {
 void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
   const profile::Region region("dlogits", profile::Work::Other, stream);
   if (args.Vp % 8 != 0 || args.vocab < 1 || args.vocab > args.Vp)
-    throw std::invalid_argument("fused::dlogits: Vp = " + std::to_string(args.Vp) + " must be a multiple of 8 and vocab = " +
+    throw std::invalid_argument("passes::dlogits: Vp = " + std::to_string(args.Vp) + " must be a multiple of 8 and vocab = " +
                                 std::to_string(args.vocab) + " in [1, Vp]");
   if (args.dot_z == nullptr || args.stats.sumsq == nullptr)
-    throw std::invalid_argument("fused::dlogits: dot_z and the final norm's sumsq partials are required");
+    throw std::invalid_argument("passes::dlogits: dot_z and the final norm's sumsq partials are required");
   const bool layer_norm = args.c != nullptr;
   const bool all_ln = args.b_prime && args.dot_c && args.dot_b && args.stats.sum;
   const bool any_ln = args.b_prime || args.dot_c || args.dot_b;
   if (layer_norm ? !all_ln : any_ln)
     throw std::invalid_argument(
-        "fused::dlogits: LayerNorm needs c, b_prime, dot_c, dot_b and the sum partials together; RMSNorm none of "
+        "passes::dlogits: LayerNorm needs c, b_prime, dot_c, dot_b and the sum partials together; RMSNorm none of "
         "c, b_prime, dot_c, dot_b");
   if (args.N == 0 || args.Vp == 0) return;
   if (layer_norm) {
@@ -233,4 +233,4 @@ void dlogits(const DlogitsArgs& args, cudaStream_t stream) {
   }
 }
 
-}  // namespace coda::fused
+}  // namespace coda::passes

@@ -1,4 +1,4 @@
-// Bandwidth of the CODA mode's fused kernels (kernels/coda/fused.cuh) on gpt2-124m's shapes (B=32, T=1024:
+// Bandwidth of the CODA passes outside the GEMMs (kernels/coda/passes.cuh) on gpt2-124m's shapes (B=32, T=1024:
 // N = 32768, C = 768, Vp = 50304), against competitors in the same run: a device-to-device copy of the
 // same bytes and, for dlogits, the unfused mode's cross-entropy backward (the same [N, Vp] read and write
 // without the row dots).
@@ -11,14 +11,14 @@
 #include <functional>
 #include <vector>
 
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "tests/bench/bench_util.cuh"
 
 namespace {
 
-using coda::fused::bf16;
+using coda::passes::bf16;
 
 __global__ void fill_kernel(bf16* out, size_t n, float scale, uint32_t seed) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
@@ -89,7 +89,7 @@ int main() {
   float* b_prime = pool.floats(Vp, 0.1f);
   float* dots = pool.zeros<float>(3 * static_cast<size_t>(N));
 
-  coda::fused::DlogitsArgs args;
+  coda::passes::DlogitsArgs args;
   args.dlogits = logits, args.logits = logits, args.lse = lse, args.targets = targets, args.dloss = 1.0f / N;
   args.N = N, args.vocab = vocab, args.Vp = Vp;
   args.stats.sumsq = sumsq, args.stats.count = count, args.stats.d = C, args.stats.eps = 1e-5f;
@@ -101,28 +101,28 @@ int main() {
   report("unfused crossentropy_backward (in place)", logit_bytes + 8.0 * N, [&] {
     coda::unfused::crossentropy_backward(logits, logits, lse, targets, 1.0f / N, N, vocab, Vp, 0);
   });
-  report("fused dlogits RMSNorm (in place)", logit_bytes + 12.0 * N, [&] { coda::fused::dlogits(args, 0); });
-  coda::fused::DlogitsArgs ln = args;
+  report("dlogits RMSNorm (in place)", logit_bytes + 12.0 * N, [&] { coda::passes::dlogits(args, 0); });
+  coda::passes::DlogitsArgs ln = args;
   ln.stats.sum = sum, ln.c = c, ln.b_prime = b_prime, ln.dot_c = dots + N, ln.dot_b = dots + 2 * N;
-  report("fused dlogits LayerNorm (in place)", logit_bytes + 20.0 * N,
-         [&] { coda::fused::dlogits(ln, 0); });
+  report("dlogits LayerNorm (in place)", logit_bytes + 20.0 * N,
+         [&] { coda::passes::dlogits(ln, 0); });
 
   bf16* h = pool.zeros<bf16>(static_cast<size_t>(N) * C);
   bf16* O = pool.zeros<bf16>(static_cast<size_t>(N) * C);
   bf16* wte = pool.bf16s(static_cast<size_t>(Vp) * C, 0.1f);
   bf16* wpe = pool.bf16s(1024 * static_cast<size_t>(C), 0.1f);
   bf16* gamma = pool.bf16s(F, 1.0f);
-  report("fused embedding_forward (h, O, sum, sumsq)", 3.0 * N * C * 2 + 12.0 * N, [&] {
-    coda::fused::embedding_forward(h, O, sum, sumsq, targets, wte, wpe, gamma, 32, 1024, C, 0);
+  report("embedding_forward (h, O, sum, sumsq)", 3.0 * N * C * 2 + 12.0 * N, [&] {
+    coda::passes::embedding_forward(h, O, sum, sumsq, targets, wte, wpe, gamma, 32, 1024, C, 0);
   });
-  report("fused ln_weight_vectors (head, Vp x C)", 2.0 * Vp * C + 8.0 * Vp,
-         [&] { coda::fused::ln_weight_vectors(c, b_prime, wte, Vp, C, gamma, gamma, nullptr, 0); });
+  report("ln_weight_vectors (head, Vp x C)", 2.0 * Vp * C + 8.0 * Vp,
+         [&] { coda::passes::ln_weight_vectors(c, b_prime, wte, Vp, C, gamma, gamma, nullptr, 0); });
 
   const int gemm_groups = N / 16;
   float* partials = pool.floats(static_cast<size_t>(gemm_groups) * C, 0.01f);
   float* grad = pool.zeros<float>(C);
-  report("fused add_column_partials [2048, 768]", 4.0 * gemm_groups * C,
-         [&] { coda::fused::add_column_partials({{grad, partials}}, gemm_groups, C, C, 1.0f, 0); });
+  report("add_column_partials [2048, 768]", 4.0 * gemm_groups * C,
+         [&] { coda::passes::add_column_partials({{grad, partials}}, gemm_groups, C, C, 1.0f, 0); });
   CUDA_CHECK(cudaDeviceSynchronize());
   return 0;
 }

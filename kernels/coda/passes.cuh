@@ -18,7 +18,7 @@
 
 #include "kernels/coda/norm_stats.cuh"
 
-namespace coda::fused {
+namespace coda::passes {
 
 using bf16 = __nv_bfloat16;
 
@@ -69,4 +69,4 @@ struct ColumnPartials {
 void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups, int ld, int n, float scale,
                          cudaStream_t stream);
 
-}  // namespace coda::fused
+}  // namespace coda::passes

@@ -1,4 +1,4 @@
-// The fused kernels that work one row at a time: the embedding (layer 0's input and its norm partials),
+// The CODA passes that work one row at a time: the embedding (layer 0's input and its norm partials),
 // the loss from the LM head's log-sum-exp partials, and LayerNorm's weight-derived vectors.
 // embedding_forward and ln_weight_vectors give each row one warp: lane l walks the row's 16-byte packets
 // l, l + 32, ... with four packets' loads issued together, and the row's sums meet with warp shuffles, so
@@ -12,12 +12,12 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/kernel_profile.cuh"
 #include "kernels/common/vec.cuh"
 
-namespace coda::fused {
+namespace coda::passes {
 
 namespace {
 
@@ -162,7 +162,7 @@ void require_packets(int length, const char* what, const char* name) {
 void embedding_forward(bf16* h, bf16* O, float* sum, float* sumsq, const int32_t* tokens, const bf16* wte,
                        const bf16* wpe, const bf16* gamma, int B, int T, int C, cudaStream_t stream) {
   const profile::Region region("embedding forward (coda)", profile::Work::Other, stream);
-  require_packets(C, "fused::embedding_forward", "C");
+  require_packets(C, "passes::embedding_forward", "C");
   const int N = B * T;
   if (N == 0) return;
   embedding_forward_kernel<<<blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
@@ -173,7 +173,7 @@ void embedding_forward(bf16* h, bf16* O, float* sum, float* sumsq, const int32_t
 void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* lse_partials, int count,
                         const float* target_logit, int N, cudaStream_t stream) {
   const profile::Region region("loss from partials", profile::Work::Other, stream);
-  if (count < 1) throw std::invalid_argument("fused::loss_from_partials: count = " + std::to_string(count));
+  if (count < 1) throw std::invalid_argument("passes::loss_from_partials: count = " + std::to_string(count));
   if (N == 0) return;
   loss_from_partials_kernel<<<blocks_for(N, kRowWarps), kRowWarps * 32, 0, stream>>>(
       losses, lse, lse_partials, count, target_logit, N);
@@ -183,11 +183,11 @@ void loss_from_partials(float* losses, float* lse, const epi::LogSumExp::Out* ls
 void ln_weight_vectors(float* c, float* b_prime, const bf16* W, int rows, int d, const bf16* gamma,
                        const bf16* beta, const bf16* bias, cudaStream_t stream) {
   const profile::Region region("ln weight vectors", profile::Work::Other, stream);
-  require_packets(d, "fused::ln_weight_vectors", "d");
+  require_packets(d, "passes::ln_weight_vectors", "d");
   if (rows == 0) return;
   ln_weight_vectors_kernel<<<blocks_for(rows, kRowWarps), kRowWarps * 32, 0, stream>>>(
       c, b_prime, W, rows, d, gamma, beta, bias);
   CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace coda::fused
+}  // namespace coda::passes

@@ -1,4 +1,4 @@
-// The CODA mode's fused kernels (kernels/coda/fused.cuh) against host computations on random data:
+// The CODA passes outside the GEMMs (kernels/coda/passes.cuh) against host computations on random data:
 // embedding_forward, loss_from_partials, dlogits (RMSNorm in place, LayerNorm out of place),
 // ln_weight_vectors and add_column_partials; the cases each covers: above its check function below.
 // Outputs are poisoned with NaN before every launch (an unwritten element fails). Errors are relative
@@ -13,7 +13,7 @@
 #include <deque>
 #include <vector>
 
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "src/ref_ops.hpp"
 #include "src/rng.hpp"
@@ -21,9 +21,9 @@
 
 namespace {
 
-namespace fused = coda::fused;
+namespace passes = coda::passes;
 using namespace coda::test;
-using fused::bf16;
+using passes::bf16;
 
 constexpr double kExactTol = 1e-6;
 
@@ -60,7 +60,7 @@ void check_embedding(int B, int T, int C, bool positions) {
   DeviceCopy<int32_t> d_tokens(tokens);
   OutputBuffer<bf16> d_h(h.size()), d_O(h.size());
   OutputBuffer<float> d_sum(N), d_sumsq(N);
-  fused::embedding_forward(d_h.get(), d_O.get(), d_sum.get(), d_sumsq.get(), d_tokens.get(), d_wte.get(),
+  passes::embedding_forward(d_h.get(), d_O.get(), d_sum.get(), d_sumsq.get(), d_tokens.get(), d_wte.get(),
                            positions ? d_wpe.get() : nullptr, d_gamma.get(), B, T, C, 0);
   EXPECT_LT(rel_error(d_h.download(), h), kExactTol);
   EXPECT_LT(rel_error(d_O.download(), O), kExactTol);
@@ -69,12 +69,12 @@ void check_embedding(int B, int T, int C, bool positions) {
 
   // RMSNorm: no sum partials.
   d_sumsq.poison();
-  fused::embedding_forward(d_h.get(), d_O.get(), nullptr, d_sumsq.get(), d_tokens.get(), d_wte.get(),
+  passes::embedding_forward(d_h.get(), d_O.get(), nullptr, d_sumsq.get(), d_tokens.get(), d_wte.get(),
                            positions ? d_wpe.get() : nullptr, d_gamma.get(), B, T, C, 0);
   EXPECT_LT(rel_error(d_sumsq.download(), sumsq), kFp32Tol);
 }
 
-TEST(GpuFused, EmbeddingForward) {
+TEST(GpuPasses, EmbeddingForward) {
   SKIP_WITHOUT_GPU();
   check_embedding(3, 37, 768, true);     // GPT-2: three packets per lane
   check_embedding(2, 45, 200, true);     // 25 packets: lanes without a packet
@@ -85,7 +85,7 @@ TEST(GpuFused, EmbeddingForward) {
 
 // loss_from_partials: per-tile (max, sum exp) partials of random logits, with a tile wholly in the padded
 // vocabulary, against the CPU reference's cross-entropy.
-TEST(GpuFused, LossFromPartials) {
+TEST(GpuPasses, LossFromPartials) {
   SKIP_WITHOUT_GPU();
   coda::Rng rng(5);
   const int N = 203, V = 900, Vp = 1152, tile = 192, count = Vp / tile;  // the last tile is all padding
@@ -111,7 +111,7 @@ TEST(GpuFused, LossFromPartials) {
 
   DeviceBuffer<float> d_partials(partials), d_target_logit(target_logit);
   OutputBuffer<float> d_losses(N), d_lse(N);
-  fused::loss_from_partials(d_losses.get(), d_lse.get(),
+  passes::loss_from_partials(d_losses.get(), d_lse.get(),
                             reinterpret_cast<const coda::epi::LogSumExp::Out*>(d_partials.get()), count,
                             d_target_logit.get(), N, 0);
   EXPECT_LT(rel_error(d_losses.download(), losses), kFp32Tol);
@@ -185,7 +185,7 @@ void check_dlogits(int N, int vocab, int Vp, bool layer_norm) {
   DeviceBuffer<float> d_lse(lse), d_c(c), d_b_prime(b_prime), d_sum(norm.sum), d_sumsq(norm.sumsq);
   OutputBuffer<bf16> d_out(NV);
   OutputBuffer<float> d_dot_z(N), d_dot_c(N), d_dot_b(N);
-  fused::DlogitsArgs args;
+  passes::DlogitsArgs args;
   args.dlogits = layer_norm ? d_out.get() : d_logits.get();  // RMSNorm in place, LayerNorm out of place
   args.logits = d_logits.get();
   args.lse = d_lse.get();
@@ -200,7 +200,7 @@ void check_dlogits(int N, int vocab, int Vp, bool layer_norm) {
     args.c = d_c.get(), args.b_prime = d_b_prime.get();
     args.dot_c = d_dot_c.get(), args.dot_b = d_dot_b.get();
   }
-  fused::dlogits(args, 0);
+  passes::dlogits(args, 0);
 
   const std::vector<float> got = layer_norm ? d_out.download() : d_logits.download();
   EXPECT_LT(rel_error(got, dlogits_ref), kBf16Tol);
@@ -217,7 +217,7 @@ void check_dlogits(int N, int vocab, int Vp, bool layer_norm) {
 
   // A second run gives bitwise the same results.
   for (auto* buffer : {&d_dot_z, &d_dot_c, &d_dot_b}) buffer->poison();
-  fused::dlogits(args, 0);
+  passes::dlogits(args, 0);
   const std::vector<float> again = d_out.download();
   EXPECT_EQ(std::memcmp(again.data(), got.data(), got.size() * sizeof(float)), 0);
   for (const auto& [buffer, first] : {std::make_pair(&d_dot_z, &got_dot_z), std::make_pair(&d_dot_c, &got_dot_c),
@@ -227,13 +227,13 @@ void check_dlogits(int N, int vocab, int Vp, bool layer_norm) {
   }
 }
 
-TEST(GpuFused, DlogitsRmsNorm) {
+TEST(GpuPasses, DlogitsRmsNorm) {
   SKIP_WITHOUT_GPU();
   check_dlogits(300, 1000, 1024, false);
   check_dlogits(133, 50257, 50304, false);
 }
 
-TEST(GpuFused, DlogitsLayerNorm) {
+TEST(GpuPasses, DlogitsLayerNorm) {
   SKIP_WITHOUT_GPU();
   check_dlogits(300, 1000, 1024, true);
   check_dlogits(133, 50257, 50304, true);
@@ -259,13 +259,13 @@ void check_ln_weight_vectors(int rows, int d, bool with_bias) {
   }
   DeviceBuffer<bf16> d_W(W), d_gamma(gamma), d_beta(beta), d_bias(bias);
   OutputBuffer<float> d_c(rows), d_b_prime(rows);
-  fused::ln_weight_vectors(d_c.get(), d_b_prime.get(), d_W.get(), rows, d, d_gamma.get(), d_beta.get(),
+  passes::ln_weight_vectors(d_c.get(), d_b_prime.get(), d_W.get(), rows, d, d_gamma.get(), d_beta.get(),
                            with_bias ? d_bias.get() : nullptr, 0);
   EXPECT_LT(rel_error(d_c.download(), c), kFp32Tol);
   EXPECT_LT(rel_error(d_b_prime.download(), b_prime), kFp32Tol);
 }
 
-TEST(GpuFused, LnWeightVectors) {
+TEST(GpuPasses, LnWeightVectors) {
   SKIP_WITHOUT_GPU();
   check_ln_weight_vectors(2307, 768, true);    // QKV-like, rows not a multiple of the block's 8 rows
   check_ln_weight_vectors(1003, 1600, false);  // the head: no bias, 200 packets per row
@@ -302,13 +302,13 @@ void check_add_column_partials(int groups, int ld, int n, int arrays) {
     d_grads.emplace_back(grads[a]);
   }
   auto run = [&] {
-    if (arrays == 1) fused::add_column_partials({{d_grads[0].get(), d_partials[0].get()}}, groups, ld, n, scale, 0);
+    if (arrays == 1) passes::add_column_partials({{d_grads[0].get(), d_partials[0].get()}}, groups, ld, n, scale, 0);
     if (arrays == 2)
-      fused::add_column_partials({{d_grads[0].get(), d_partials[0].get()}, {nullptr, d_partials[0].get()},
+      passes::add_column_partials({{d_grads[0].get(), d_partials[0].get()}, {nullptr, d_partials[0].get()},
                                   {d_grads[1].get(), d_partials[1].get()}},
                                  groups, ld, n, scale, 0);
     if (arrays == 3)
-      fused::add_column_partials({{d_grads[0].get(), d_partials[0].get()}, {d_grads[1].get(), d_partials[1].get()},
+      passes::add_column_partials({{d_grads[0].get(), d_partials[0].get()}, {d_grads[1].get(), d_partials[1].get()},
                                   {d_grads[2].get(), d_partials[2].get()}},
                                  groups, ld, n, scale, 0);
   };
@@ -326,7 +326,7 @@ void check_add_column_partials(int groups, int ld, int n, int arrays) {
   }
 }
 
-TEST(GpuFused, AddColumnPartials) {
+TEST(GpuPasses, AddColumnPartials) {
   SKIP_WITHOUT_GPU();
   check_add_column_partials(2053, 776, 764, 1);  // a GEMM's 16-row groups: clusters of 8, a partial last tile
   check_add_column_partials(100, 3072, 3072, 1); // one block per cluster
@@ -335,10 +335,10 @@ TEST(GpuFused, AddColumnPartials) {
   check_add_column_partials(700, 52, 36, 2);     // two, and a pair without gradient skipped
 }
 
-TEST(GpuFused, AddColumnPartialsRejectsFourArrays) {
+TEST(GpuPasses, AddColumnPartialsRejectsFourArrays) {
   SKIP_WITHOUT_GPU();
   DeviceBuffer<float> d(std::vector<float>(64, 0.0f));
-  EXPECT_THROW(fused::add_column_partials({{d.get(), d.get()}, {d.get(), d.get()}, {d.get(), d.get()},
+  EXPECT_THROW(passes::add_column_partials({{d.get(), d.get()}, {d.get(), d.get()}, {d.get(), d.get()},
                                            {d.get(), d.get()}},
                                           1, 64, 64, 1.0f, 0),
                std::invalid_argument);

@@ -13,12 +13,12 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/coda/fused.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/common/cluster.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/kernel_profile.cuh"
 
-namespace coda::fused {
+namespace coda::passes {
 
 namespace {
 
@@ -121,13 +121,13 @@ void launch_add_column_partials(const ColumnSums<kMaxArrays>& all, int groups, i
 void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups, int ld, int n, float scale,
                          cudaStream_t stream) {
   const profile::Region region("column partials", profile::Work::Other, stream);
-  require_float4_columns("fused::add_column_partials", n, ld);
+  require_float4_columns("passes::add_column_partials", n, ld);
   ColumnSums<kMaxArrays> list{};
   int count = 0;
   for (const ColumnPartials& s : sums) {
     if (s.grad == nullptr) continue;
     if (count == kMaxArrays)
-      throw std::invalid_argument("fused::add_column_partials: more than " + std::to_string(kMaxArrays) +
+      throw std::invalid_argument("passes::add_column_partials: more than " + std::to_string(kMaxArrays) +
                                   " partial buffers in one launch");
     list.grad[count] = s.grad, list.partials[count++] = s.partials;
   }
@@ -137,4 +137,4 @@ void add_column_partials(std::initializer_list<ColumnPartials> sums, int groups,
   launch_add_column_partials<3>(list, groups, ld, n, scale, stream);
 }
 
-}  // namespace coda::fused
+}  // namespace coda::passes
