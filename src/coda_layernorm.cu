@@ -24,14 +24,14 @@ namespace {
 class CodaLayerNormRunner : public CodaRunner {
  public:
   explicit CodaLayerNormRunner(DeviceState& state);
-
- protected:
-  void plan_buffers(ArenaPlan& plan) override;
   void embedding_forward(int B, int T) override;  // also the weight-derived vectors of this forward
   void block_forward(int layer, int B, int T) override;
   void head_forward(int B, int T) override;
   void head_backward(int B, int T, float dloss) override;
   void block_backward(int layer, int B, int T) override;
+
+ protected:
+  void plan_buffers(ArenaPlan& plan) override;
 
  private:
   // The weight-derived vectors of a LayerNormed linear layer LN(h) W^T + bias, fp32 [rows of W]:

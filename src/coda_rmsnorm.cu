@@ -1,8 +1,9 @@
-// The CODA mode of the RMSNorm family (Llama): every RMSNorm, RoPE, SwiGLU, residual add and the loss run
-// in the epilogues of its GEMMs (kernels/coda/llama_programs.cuh), next to the attention kernels and the
-// passes of kernels/coda/passes.cuh. Buffers as in coda_runner.hpp. Six program types, each one GEMM kernel
-// instantiation per tile: qkv, residual (out-proj and down), gate/up, LM head, norm backward (head, gate/up
-// and QKV dgrads), SwiGLU backward. Gradients travel scaled (dz' = r dz, passes.cuh).
+// The CODA mode of the RMSNorm family (Llama, Qwen2): every RMSNorm, RoPE, SwiGLU, residual add, the QKV
+// bias and the loss run in the epilogues of its GEMMs (kernels/coda/llama_programs.cuh), next to the
+// attention kernels and the passes of kernels/coda/passes.cuh. Buffers as in coda_runner.hpp. Program types,
+// each one GEMM kernel instantiation per tile: qkv (with or without the bias), residual (out-proj and
+// down), gate/up, LM head, norm backward (head, gate/up and QKV dgrads), SwiGLU backward. Gradients travel
+// scaled (dz' = r dz, passes.cuh); the QKV bias gradient is the attention write-out's column partials.
 // Details: docs/CODA.md, "Llama"; the program of each GEMM above block_forward and block_backward below.
 
 #include <cmath>
@@ -20,6 +21,7 @@ namespace {
 
 using prog::llama::lm_head_program;
 using prog::llama::norm_backward_program;
+using prog::llama::qkv_bias_program;
 using prog::llama::qkv_program;
 using prog::llama::residual_program;
 using prog::llama::swiglu_backward_program;
@@ -27,13 +29,13 @@ using prog::llama::swiglu_backward_program;
 class CodaRmsNormRunner : public CodaRunner {
  public:
   explicit CodaRmsNormRunner(DeviceState& state);
-
- protected:
-  void plan_buffers(ArenaPlan& plan) override;
   void block_forward(int layer, int B, int T) override;
   void head_forward(int B, int T) override;
   void head_backward(int B, int T, float dloss) override;
   void block_backward(int layer, int B, int T) override;
+
+ protected:
+  void plan_buffers(ArenaPlan& plan) override;
 
  private:
   // The RMSNorm backward in the dgrad of a normed GEMM: d_residual (+)= norm backward of the accumulator
@@ -44,13 +46,15 @@ class CodaRmsNormRunner : public CodaRunner {
 
   float* dot_z_ = nullptr;             // <dz, z> row partials of the norm backward in flight [N, F / 128]
   float* dgamma_partials_ = nullptr;   // column partials of a gamma gradient [N / 16, C]
+  float* dbias_partials_ = nullptr;    // QKV bias: the write-out's column partials [groups, qkv_dim]
 };
 
 CodaRmsNormRunner::CodaRmsNormRunner(DeviceState& state) : CodaRunner(state) {
   const std::string family = "RMSNorm";
   require_feature(config_.mlp == Mlp::SwiGLU, family, "SwiGLU");
   require_feature(config_.rope(), family, "RoPE positions");
-  require_feature(!config_.qkv_bias && !config_.proj_bias && !config_.mlp_bias, family, "projections without bias");
+  require_feature(!config_.proj_bias && !config_.mlp_bias, family,
+                  "no bias on the output and MLP projections (a QKV bias is one of its programs)");
   const int hd = config_.head_dim();
   if (hd != 64 && hd != 128)
     throw std::invalid_argument("kernels coda: the RoPE epilogue is built for head_dim 64 and 128 (the attention "
@@ -64,12 +68,17 @@ void CodaRmsNormRunner::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&dot_z_, N * max_row_partials(config_.d_ff), group);
   plan.reserve(&dgamma_partials_, static_cast<size_t>(prog::column_partial_groups(static_cast<int>(N))) *
                                       config_.d_model, group);
+  if (config_.qkv_bias)
+    plan.reserve(&dbias_partials_,
+                 static_cast<size_t>(attention_writeout_groups(attention_shape(state_.max_batch(), state_.max_seq_len()))) *
+                     config_.qkv_dim(),
+                 group);
 }
 
 // Forward of layer l (N = B*T rows, C = d_model, Q = qkv_dim, F = d_ff, Vp = padded vocabulary; h = input,
 // its norm1 statistics and O1 = h (.) gamma1 already written by the embedding or the previous layer's down
 // projection):
-//   QKV       qkv = rope(r1 (O1 Wqkv^T))                                           -> attention
+//   QKV       qkv = rope(r1 (O1 Wqkv^T) (+ b, Qwen2))                              -> attention
 //   out-proj  h2 = attn Wo^T + h: aux h2, h2^2 partials (norm2), main O2 = h2 (.) gamma2
 //   gate/up   (g, u) = r2 (O2 Wgu^T): aux gu (up), main act = silu(g) u
 //   down      h' = act Wdown^T + h2: aux h' (the next layer's h), h'^2 partials, main O' = h' (.) gamma' (gamma of
@@ -85,8 +94,13 @@ void CodaRmsNormRunner::block_forward(int layer, int B, int T) {
   const GemmTile tile = GemmTile::Auto;
 
   auto qkv = [&](auto rope) {
-    gemm_run<GemmLayout::Forward>(tile, a.qkv, a.o1, weight(p.qkv_w), N, Q, C, false,
-                                  qkv_program(norm_partials(norm1_stats_[layer]), rope), stream_);
+    const prog::NormPartials stats1 = norm_partials(norm1_stats_[layer]);
+    if (config_.qkv_bias)
+      gemm_run<GemmLayout::Forward>(tile, a.qkv, a.o1, weight(p.qkv_w), N, Q, C, false,
+                                    qkv_bias_program(stats1, weight(p.qkv_b), rope), stream_);
+    else
+      gemm_run<GemmLayout::Forward>(tile, a.qkv, a.o1, weight(p.qkv_w), N, Q, C, false, qkv_program(stats1, rope),
+                                    stream_);
   };
   const int rot_cols = (config_.n_head + config_.n_kv_head) * config_.head_dim();
   const float log2_theta = std::log2(config_.rope_theta);
@@ -166,10 +180,15 @@ void CodaRmsNormRunner::block_backward(int layer, int B, int T) {
   writeout.rope_theta = config_.rope_theta;
   writeout.stats = norm_partials(stats1);
   writeout.dot_z = dot_z_;
+  writeout.bias = weight(p.qkv_b);
+  writeout.col_b = config_.qkv_bias ? dbias_partials_ : nullptr;
   attention_backward(d_qkv_, d_attn_, a.qkv, a.attn, a.lse, attention_workspace_,
                      attention_shape(B, T), stream_, &writeout);
   norm_backward_dgrad(d_qkv_, p.qkv_w, N, Q, stats1, 1, a.h, p.norm1_w, true);
   gemm_wgrad(grad(p.qkv_w), d_qkv_, a.o1, Q, C, N, true, stream_);
+  if (config_.qkv_bias)
+    passes::add_column_partials({{grad(p.qkv_b), dbias_partials_}}, attention_writeout_groups(attention_shape(B, T)), Q,
+                                Q, 1.0f, stream_);
 }
 
 }  // namespace

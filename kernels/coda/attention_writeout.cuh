@@ -16,10 +16,13 @@ namespace coda {
 //   2. Row dots of the QKV GEMM's norm backward on that unscaled dz, row partials with count 1:
 //      dot_z = <dz, z>, z = qkv as the forward stored it (RoPE is orthogonal, so the rotated pair
 //      gives the same dot); LayerNorm (c != nullptr): dot_c = <dz, c>, dot_b = <dz, b'> ([qkv_dim]).
-//   3. LayerNorm (col_b != nullptr): column partials col_b[g, j] = sum of dz over the rows of group g (the
-//      qkv bias gradient), ld = qkv_dim; a group is 16 consecutive positions of one sequence (the last one
-//      of a sequence shorter), group b * ceil(T / 16) + t / 16, attention_writeout_groups(shape) groups in
-//      all.
+//      RMSNorm with a qkv bias (bias != nullptr, Qwen2): the norm backward needs <dz, z - bias>, the
+//      GEMM's own output, so <dz, bias> on the unrotated dz is taken off dot_z (LayerNorm folds its bias
+//      into b' instead).
+//   3. A qkv bias (col_b != nullptr): column partials col_b[g, j] = sum of dz over the rows of group g
+//      (the bias gradient), ld = qkv_dim; a group is 16 consecutive positions of one sequence (the last
+//      one of a sequence shorter), group b * ceil(T / 16) + t / 16, attention_writeout_groups(shape)
+//      groups in all.
 //   4. The row scale: dqkv = r dz with r = stats.rstd(row), the norm's rstd.
 struct AttentionWriteout {
   float rope_theta = 0.0f;
@@ -30,6 +33,7 @@ struct AttentionWriteout {
   float* dot_c = nullptr;
   float* dot_b = nullptr;
   float* col_b = nullptr;
+  const __nv_bfloat16* bias = nullptr;  // [qkv_dim], the bf16 weight copy
 };
 
 namespace attention_writeout {

@@ -74,19 +74,23 @@ struct KvWriteout {
 // The write-out's inputs of this block that are not tiles, staged in shared memory by the consumers
 // before their first product, so that their loads overlap the K and V tiles' TMA instead of adding to the
 // block's tail (one block per SM): r of the block's kTileKeys keys (rows[key]), and for LayerNorm c and b'
-// of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b' of v, HD each). i: the consumer
+// of the kv head's k and v columns (vecs: c of k | c of v | b' of k | b' of v, HD each), or for RMSNorm
+// with a qkv bias that bias in the b' slots. i: the consumer
 // thread, 0 .. kConsumerThreads - 1.
 template <int HD, int kTileKeys, int kConsumerThreads>
 __device__ __forceinline__ void stage_writeout_inputs(const KvWriteout& kv, float* rows, float* vecs, int i, int k0,
                                                       int b, int T, int kvh, int n_head, int n_kv_head) {
   const AttentionWriteout& w = kv.w;
   if (i < kTileKeys) rows[i] = w.stats.rstd(b * T + min(k0 + i, T - 1));
+  const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
   if (w.c != nullptr) {
-    const int k_cols = (n_head + kvh) * HD, v_cols = k_cols + n_kv_head * HD;
     for (int j = i; j < 4 * HD; j += kConsumerThreads) {
       const int part = j / HD;
       vecs[j] = (part < 2 ? w.c : w.b_prime)[(part % 2 == 0 ? k_cols : v_cols) + j % HD];
     }
+  } else if (w.bias != nullptr) {
+    for (int j = i; j < 2 * HD; j += kConsumerThreads)
+      vecs[2 * HD + j] = __bfloat162float(w.bias[(j < HD ? k_cols : v_cols) + j % HD]);
   }
 }
 
@@ -142,6 +146,15 @@ __device__ __forceinline__ void finish_kv_rows(float (&dk)[HD / 2], float (&dv)[
       const float2 bv = *reinterpret_cast<const float2*>(vecs + 3 * HD + col);
       dots[1][h] += dk[i] * ck.x + dk[i + 1] * ck.y + dv[i] * cv.x + dv[i + 1] * cv.y;
       dots[2][h] += dk[i] * bk.x + dk[i + 1] * bk.y + dv[i] * bv.x + dv[i + 1] * bv.y;
+    }
+  }
+  if (!layernorm && w.bias != nullptr) {  // <dz, bias> off <dz, z>: the norm backward reads z - bias
+#pragma unroll
+    for (int i = 0; i < HD / 2; i += 2) {
+      const int h = (i >> 1) & 1, col = 8 * (i >> 2) + 2 * t;
+      const float2 bk = *reinterpret_cast<const float2*>(vecs + 2 * HD + col);
+      const float2 bv = *reinterpret_cast<const float2*>(vecs + 3 * HD + col);
+      dots[0][h] -= dk[i] * bk.x + dk[i + 1] * bk.y + dv[i] * bv.x + dv[i + 1] * bv.y;
     }
   }
   if (w.col_b != nullptr && warp_key0 < T) {
@@ -221,6 +234,8 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
     if constexpr (kDots == 3) {
       load_f32x8(c, w.c + col);
       load_f32x8(b_prime, w.b_prime + col);
+    } else if (w.bias != nullptr) {  // the qkv bias, in b_prime (RMSNorm: <dz, bias> comes off <dz, z>)
+      unpack_bf16x8(b_prime, __ldg(reinterpret_cast<const uint4*>(w.bias + col)));
     }
     float col_b[8] = {};
 #pragma unroll 1
@@ -263,6 +278,9 @@ __global__ void __launch_bounds__(kWriteoutMaxThreads)
             dots[r * kDotSlots + 1] += dz[r][i] * c[i];
             dots[r * kDotSlots + 2] += dz[r][i] * b_prime[i];
           }
+        } else if (w.bias != nullptr) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dots[r * kDotSlots] -= dz[r][i] * b_prime[i];
         }
         if (w.col_b != nullptr) {
 #pragma unroll
@@ -305,8 +323,9 @@ inline void validate_writeout(const AttentionWriteout& w) {
   const bool ln_dots = w.c != nullptr;
   if (ln_dots != (w.b_prime != nullptr) || ln_dots != (w.dot_c != nullptr) || ln_dots != (w.dot_b != nullptr))
     fail("c, b_prime, dot_c, dot_b: all or none");
-  if (!aligned16(w.c) || !aligned16(w.b_prime) || !aligned16(w.col_b))
-    fail("c, b_prime, col_b must be 16-byte aligned");
+  if (ln_dots && w.bias != nullptr) fail("bias: LayerNorm folds the qkv bias into b_prime");
+  if (!aligned16(w.c) || !aligned16(w.b_prime) || !aligned16(w.col_b) || !aligned16(w.bias))
+    fail("c, b_prime, col_b, bias must be 16-byte aligned");
 }
 
 inline float rope_log2_freq_step(const AttentionWriteout& w, int HD) {

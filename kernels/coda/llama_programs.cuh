@@ -27,6 +27,16 @@ inline auto qkv_program(const NormPartials& stats, const Rope<kHeadDim>& rope) {
 template <int kHeadDim>
 using QkvProgram = decltype(qkv_program(NormPartials{}, Rope<kHeadDim>(0, 0, 0.0f)));
 
+// QKV projection with a bias (Qwen2): qkv = rope(diag(r) (O Wqkv^T) + b), the bias added before the
+// rotation, as in the model; b is the bf16 weight copy. Its gradient is the column sums of the unrotated
+// dz, which the attention backward's write-out leaves as column partials (attention_writeout.cuh).
+template <int kHeadDim>
+inline auto qkv_bias_program(const NormPartials& stats, const bf16* bias, const Rope<kHeadDim>& rope) {
+  return make_program(RowScale(RmsRstd{stats}), ColBroadcast<Add, bf16>(bias), Pairwise<Rope<kHeadDim>>(rope));
+}
+template <int kHeadDim>
+using QkvBiasProgram = decltype(qkv_bias_program(NormPartials{}, nullptr, Rope<kHeadDim>(0, 0, 0.0f)));
+
 // Out projection and down projection: h = x W^T + res (the residual add, res loaded as a tile), kept as
 // aux output h; partial sums of h^2 for the next norm; main output O = h (.) gamma_next.
 inline auto residual_program(const bf16* res, bf16* h, int d, const bf16* gamma_next, float* sumsq_partials) {

@@ -139,6 +139,27 @@ TEST(CodaLlama, QkvRowScaleAndRopeEqualRmsNormMatmulRope) {
   EXPECT_CLOSE(partials.rstd(), rstd_ref, kFp32Tol);
 }
 
+// Qwen2: the bias goes in after the norm's row scale and before the rotation, as in the model.
+TEST(CodaLlama, QkvBiasAddedBeforeRopeEqualsRmsNormMatmulBiasRope) {
+  constexpr int n_head = 2, n_kv = 1, hd = 16, N = (n_head + 2 * n_kv) * hd;
+  const float theta = 1e6f;
+  const Vec h = random_vec(kM * kD, -2.0f, 2.0f, 11), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 12));
+  const Vec w = random_vec(N * kD, -0.15f, 0.15f, 13), bias = round_bf16(random_vec(N, -1.0f, 1.0f, 14));
+  Vec u(kM * kD), rstd_ref(kM), z(kM * N);
+  ref::rmsnorm_forward(u.data(), rstd_ref.data(), h.data(), gamma.data(), kM, kD, kEps);
+  ref::matmul_forward(z.data(), u.data(), w.data(), bias.data(), kM, kD, N);
+  ref::rope_forward(z.data(), kB, kT, n_head, n_kv, hd, theta);
+
+  Vec acc(kM * N), out(kM * N, NAN);
+  ref::matmul_forward(acc.data(), mul_cols(h, gamma, kM, kD).data(), w.data(), nullptr, kM, kD, N);
+  const RmsPartials partials(h);
+  const epi::Rope<hd> rope{kT, (n_head + n_kv) * hd, std::log2(theta)};
+  const Bf16Vec bias_b = to_bf16(bias);
+  epi::evaluate_on_host(prog::llama::qkv_bias_program(partials.stats(), bias_b.data(), rope), acc.data(), kM, N, kTile,
+                        out.data());
+  EXPECT_CLOSE(out, z, kFp32Tol);
+}
+
 TEST(CodaLlama, ResidualAddWritesGammaScaledOutputAndRmsPartials) {
   const Vec x = random_vec(kM * kD, -1.0f, 1.0f, 4), w = random_vec(kD * kD, -0.15f, 0.15f, 5);
   const Vec res = round_bf16(random_vec(kM * kD, -2.0f, 2.0f, 6)), gamma = round_bf16(random_vec(kD, 0.5f, 1.5f, 7));
