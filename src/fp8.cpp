@@ -1,0 +1,81 @@
+// The FP8 codecs and delayed scaling; see fp8.hpp. A finite value's code is found with exact arithmetic:
+// scaled by a power of two so that its mantissa bits are the integer part, rounded to nearest even
+// (std::nearbyint under the default rounding mode), and added to its binade's first code; a carry out of
+// the mantissa moves into the exponent by itself, and subnormals are the codes whose exponent field is 0.
+#include "fp8.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace coda {
+
+namespace {
+
+struct Layout {
+  int mantissa_bits, bias;
+  uint8_t largest_code, nan_code;  // without the sign bit
+};
+
+Layout layout(Fp8Format format) {
+  return format == Fp8Format::E4M3 ? Layout{3, 7, 0x7E, 0x7F} : Layout{2, 15, 0x7B, 0x7F};
+}
+
+}  // namespace
+
+const char* fp8_format_name(Fp8Format format) { return format == Fp8Format::E4M3 ? "e4m3" : "e5m2"; }
+
+float fp8_largest(Fp8Format format) { return fp8_decode(layout(format).largest_code, format); }
+
+float fp8_decode(uint8_t code, Fp8Format format) {
+  const Layout l = layout(format);
+  const bool negative = (code & 0x80) != 0;
+  const int exponent = (code & 0x7F) >> l.mantissa_bits, mantissa = code & ((1 << l.mantissa_bits) - 1);
+  const int max_exponent = (0x7F >> l.mantissa_bits);
+  float value;
+  if (format == Fp8Format::E4M3 && (code & 0x7F) == l.nan_code)
+    value = std::nanf("");
+  else if (format == Fp8Format::E5M2 && exponent == max_exponent)
+    value = mantissa == 0 ? INFINITY : std::nanf("");
+  else if (exponent == 0)
+    value = std::ldexp(static_cast<float>(mantissa), 1 - l.bias - l.mantissa_bits);
+  else
+    value = std::ldexp(static_cast<float>((1 << l.mantissa_bits) + mantissa), exponent - l.bias - l.mantissa_bits);
+  return negative ? -value : value;
+}
+
+uint8_t fp8_encode(float x, Fp8Format format) {
+  const Layout l = layout(format);
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  if (std::isnan(x)) return sign | l.nan_code;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= fp8_largest(format)) return sign | l.largest_code;
+  // The unit in the last place of a, that of the subnormals below the smallest normal; then the code is
+  // (exponent field - 1) << mbits plus the number of units, for normals and subnormals alike.
+  const int min_exponent = 1 - l.bias;
+  const int exponent = a == 0.0 ? min_exponent : std::max(std::ilogb(a), min_exponent);
+  const double units = std::nearbyint(std::ldexp(a, l.mantissa_bits - exponent));  // exact, then RNE
+  const int code = ((exponent - min_exponent) << l.mantissa_bits) + static_cast<int>(units);
+  return sign | static_cast<uint8_t>(code);  // a < largest: the rounding cannot pass the largest code
+}
+
+Fp8DelayedScale::Fp8DelayedScale(Fp8Format format, int history, int margin)
+    : format_(format), margin_(margin), history_(history > 0 ? history : 0, 0.0f) {
+  if (history < 1) throw std::invalid_argument("fp8 delayed scaling: history must be >= 1, got " + std::to_string(history));
+  if (margin < 0) throw std::invalid_argument("fp8 delayed scaling: margin must be >= 0, got " + std::to_string(margin));
+}
+
+void Fp8DelayedScale::record(float amax, int step, const std::string& what) {
+  if (!std::isfinite(amax) || amax < 0.0f)
+    throw std::runtime_error("fp8: " + what + " has amax " + std::to_string(amax) + " at step " +
+                             std::to_string(step) + " (an overflow or NaN upstream; the scale is kept)");
+  history_[next_] = amax;
+  next_ = (next_ + 1) % history_.size();
+}
+
+void Fp8DelayedScale::update() {
+  const float amax = *std::max_element(history_.begin(), history_.end());
+  if (amax > 0.0f) scale_ = std::ldexp(fp8_largest(format_) / amax, -margin_);
+}
+
+}  // namespace coda

@@ -1,0 +1,116 @@
+// The host FP8 codecs against CUDA's own host conversions (cuda_fp8.h, satfinite) and against a brute-force
+// nearest-code search, and delayed scaling: the scale follows the amax history, a non-finite amax is
+// refused with the tensor and the step.
+#include <gtest/gtest.h>
+
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "fp8.hpp"
+#include "rng.hpp"
+
+namespace {
+
+using coda::Fp8Format;
+
+constexpr Fp8Format kFormats[] = {Fp8Format::E4M3, Fp8Format::E5M2};
+
+uint8_t cuda_encode(float x, Fp8Format format) {
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, format == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+float cuda_decode(uint8_t code, Fp8Format format) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(code, format == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// The nearest finite code of x's sign by search over all 256 (ties: the even code), for |x| <= largest.
+uint8_t nearest_code(float x, Fp8Format format) {
+  int best = -1;
+  double best_distance = std::numeric_limits<double>::infinity();
+  for (int code = 0; code < 256; ++code) {
+    const float v = coda::fp8_decode(static_cast<uint8_t>(code), format);
+    if (!std::isfinite(v) || std::signbit(v) != std::signbit(x)) continue;
+    const double distance = std::fabs(static_cast<double>(v) - x);
+    if (distance < best_distance || (distance == best_distance && code % 2 == 0)) best = code, best_distance = distance;
+  }
+  return static_cast<uint8_t>(best);
+}
+
+TEST(Fp8, EveryCodeDecodesAsCudaDoesAndEncodesBackToItself) {
+  for (Fp8Format format : kFormats)
+    for (int code = 0; code < 256; ++code) {
+      const uint8_t c = static_cast<uint8_t>(code);
+      const float ours = coda::fp8_decode(c, format), theirs = cuda_decode(c, format);
+      if (std::isnan(theirs)) {
+        EXPECT_TRUE(std::isnan(ours)) << coda::fp8_format_name(format) << " code " << code;
+        continue;
+      }
+      EXPECT_EQ(ours, theirs) << coda::fp8_format_name(format) << " code " << code;
+      if (std::isfinite(ours)) {
+        EXPECT_EQ(coda::fp8_encode(ours, format), c) << coda::fp8_format_name(format) << " " << code;
+      }
+    }
+  EXPECT_EQ(coda::fp8_largest(Fp8Format::E4M3), 448.0f);
+  EXPECT_EQ(coda::fp8_largest(Fp8Format::E5M2), 57344.0f);
+}
+
+// Random magnitudes over every binade, the midpoints between neighbouring codes (ties), saturation and
+// the specials: the same code as CUDA's satfinite conversion and as the nearest-code search.
+TEST(Fp8, EncodeRoundsToNearestEvenAndSaturatesLikeCuda) {
+  coda::Rng rng(5);
+  for (Fp8Format format : kFormats) {
+    std::vector<float> xs = {0.0f, -0.0f, INFINITY, -INFINITY, 1e-30f, -1e-30f, 1e30f, -1e30f};
+    for (int code = 0; code < 255; ++code) {  // midpoints of neighbouring finite codes of one sign
+      const float a = coda::fp8_decode(static_cast<uint8_t>(code), format);
+      const float b = coda::fp8_decode(static_cast<uint8_t>(code + 1), format);
+      if (std::isfinite(a) && std::isfinite(b) && std::signbit(a) == std::signbit(b)) xs.push_back((a + b) / 2);
+    }
+    for (int i = 0; i < 20000; ++i) {
+      const float magnitude = std::ldexp(static_cast<float>(rng.uniform()) + 0.5f, static_cast<int>(rng.below(44)) - 24);
+      xs.push_back(i % 2 ? magnitude : -magnitude);
+    }
+    for (float x : xs) {
+      const uint8_t ours = coda::fp8_encode(x, format);
+      EXPECT_EQ(ours, cuda_encode(x, format)) << coda::fp8_format_name(format) << " x = " << x;
+      if (std::fabs(x) <= coda::fp8_largest(format)) {  // beyond: saturation, checked against CUDA above
+        EXPECT_EQ(ours, nearest_code(x, format)) << coda::fp8_format_name(format) << " x = " << x;
+      }
+    }
+    EXPECT_TRUE(std::isnan(coda::fp8_decode(coda::fp8_encode(std::nanf(""), format), format)));
+  }
+}
+
+TEST(Fp8, DelayedScaleFollowsTheAmaxHistoryAndRefusesOverflow) {
+  coda::Fp8DelayedScale scale(Fp8Format::E4M3, 3, 1);
+  scale.update();
+  EXPECT_EQ(scale.scale(), 1.0f);  // nothing seen yet
+  const float amaxes[] = {2.0f, 8.0f, 1.0f, 0.5f, 0.25f};
+  const float expected[] = {448.0f / 2 / 2, 448.0f / 8 / 2, 448.0f / 8 / 2, 448.0f / 8 / 2, 448.0f / 1 / 2};
+  for (int step = 0; step < 5; ++step) {
+    scale.record(amaxes[step], step, "h.0.qkv input");
+    scale.update();
+    EXPECT_EQ(scale.scale(), expected[step]) << "step " << step;
+    // This step's tensor, quantized with its own scale, stays inside the format.
+    EXPECT_LE(amaxes[step] * scale.scale(), coda::fp8_largest(Fp8Format::E4M3));
+  }
+  for (float bad : {INFINITY, std::nanf(""), -1.0f}) {
+    try {
+      scale.record(bad, 7, "h.3.mlp_down dgrad");
+      ADD_FAILURE() << "amax " << bad << " was accepted";
+    } catch (const std::runtime_error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("h.3.mlp_down dgrad"), std::string::npos) << what;
+      EXPECT_NE(what.find("step 7"), std::string::npos) << what;
+    }
+  }
+  EXPECT_EQ(scale.scale(), expected[4]);  // a refused amax leaves the scale
+  EXPECT_THROW(coda::Fp8DelayedScale(Fp8Format::E5M2, 0), std::invalid_argument);
+}
+
+}  // namespace
