@@ -32,6 +32,7 @@
 #include "cuda_backend.hpp"
 #include "data.hpp"
 #include "dist_plan.hpp"
+#include "host_buffer.hpp"
 #include "distributed.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "prepare.hpp"
@@ -399,9 +400,9 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
   // `writer`'s thread while training goes on (the previous write is waited for first, so one set of
   // copies is in flight). Returns the directory being written (empty on ranks other than 0); it is
   // complete once writer.wait() returns. The host copies are allocated once and reused by every save
-  // (the write that read them has finished by then): llama3.2-1b's are 15 GB, whose allocation and
-  // zeroing would otherwise stall every checkpoint.
-  std::vector<float> saved_params, saved_m, saved_v;  // before writer: its job reads them until it ends
+  // (the write that read them has finished by then): llama3.2-1b's are 15 GB, whose allocation would
+  // otherwise stall every checkpoint; on a GPU they are page-locked, so the copies run at the link's speed.
+  HostFloats saved_params, saved_m, saved_v;  // before writer: its job reads them until it ends
   BackgroundJob writer;
   const auto save = [&](int at_step) -> std::string {
     if (!root && !config.zero1) return {};
