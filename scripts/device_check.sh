@@ -2,7 +2,8 @@
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
 # every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
 # profile (with the fusion bound) of both modes on gpt2-124m and llama3.2-1b, a ZeRO-1 run against the plain
-# one, and `coda train` of gpt2-124m against its bench step; then a summary table (the last output lines).
+# one, tiny-qwen2 trained in both modes, and `coda train` of gpt2-124m against its bench step; then a summary
+# table (the last output lines).
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
@@ -65,6 +66,18 @@ for mode in plain zero1; do
   mpirun -np 1 "$bin/coda" train --config configs/tiny-gpt2.toml --device cuda --steps 40 \
     --train_data "$data/synthetic/train_*.bin" --val_data "$data/synthetic/val_*.bin" $flag --out "$data/$mode" >"$logs/train_$mode.log" 2>&1 || status=1
 done
+echo "== tiny-qwen2 (QKV bias) trained in both GPU modes, 100 steps"
+for mode in unfused coda; do
+  "$bin/coda" train --config configs/tiny-qwen2.toml --device cuda --kernels $mode --steps 100 --val_every 0 \
+    --train_data "$data/synthetic/train_*.bin" --val_data "$data/synthetic/val_*.bin" --out "$data/qwen2_$mode" \
+    >"$logs/train_qwen2_$mode.log" 2>&1 || status=1
+done
+qwen2_losses=$(python3 - "$data" <<'PY' 2>/dev/null || echo "no result"
+import json, sys
+last = {m: [json.loads(l) for l in open(f"{sys.argv[1]}/qwen2_{m}/metrics.jsonl")][-1]["loss"] for m in ("unfused", "coda")}
+print(f"final loss unfused {last['unfused']:.4f}, coda {last['coda']:.4f} (entropy rate 1.386)")
+PY
+)
 echo "== coda train against coda bench (gpt2-124m, B=32, T=1024, 40 steps on the synthetic corpus)"
 "$bin/coda" train --config configs/gpt2-124m.toml --device cuda --steps 40 --log_every 10 --val_every 0 \
   --train_data "$data/synthetic/train_*.bin" --val_data "$data/synthetic/val_*.bin" --out "$data/train_gpt2" \
@@ -94,6 +107,7 @@ printf '%-28s %s passed, %s failed\n' "GPU tests, mpirun -np 1" "$(count '^\[   
   "$(count '^\[  FAILED  \].*ms)' "$logs/gpu_tests_mpi.log")"
 printf '%-28s %s\n' "ZeRO-1 vs plain (tiny-gpt2)" "$zero1_same"
 printf '%-28s %s\n' "coda train vs bench, gpt2" "$train_vs_bench"
+printf '%-28s %s\n' "tiny-qwen2, 100 steps" "$qwen2_losses"
 for name in gpt2-124m llama3.2-1b; do  # the unfused profile's share of epilogue operations, and the bound
   bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
   printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"
