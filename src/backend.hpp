@@ -71,13 +71,19 @@ class Backend {
   }
 };
 
+// A model that a mode's kernels do not cover (the coda programs of its norm family lack one of its features
+// or its head size); kernels = auto then runs the unfused mode, which covers every model.
+struct UnsupportedByMode : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
 // The fp32 CPU reference backend (ref_model.hpp).
 std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len);
 
 // The CUDA backend (cuda_backend.hpp) on the current device, kernels = "unfused" (cuBLASLt GEMMs plus one
 // kernel per operation, any model) or "coda" (GEMM-epilogue programs, coda_runner.hpp, for the model's
-// norm family). Throws std::invalid_argument for an unknown kernels mode or a model the coda programs do
-// not cover, and std::runtime_error, with the numbers, when the model and batch do not fit in the free
+// norm family). Throws std::invalid_argument for an unknown kernels mode, UnsupportedByMode for a model the
+// coda programs do not cover, and std::runtime_error, with the numbers, when the model and batch do not fit in the free
 // device memory.
 // zero1: ZeRO-1 over zero1's ranks (docs/DISTRIBUTED.md). Each rank keeps the fp32 master weights and
 // AdamW moments of its shard only; the interface stays the same, with full flat arrays in and out, but

@@ -57,7 +57,7 @@ CodaRmsNormRunner::CodaRmsNormRunner(DeviceState& state) : CodaRunner(state) {
                   "no bias on the output and MLP projections (a QKV bias is one of its programs)");
   const int hd = config_.head_dim();
   if (hd != 64 && hd != 128)
-    throw std::invalid_argument("kernels coda: the RoPE epilogue is built for head_dim 64 and 128 (the attention "
+    throw UnsupportedByMode("kernels coda: the RoPE epilogue is built for head_dim 64 and 128 (the attention "
                                 "kernels' head sizes), got " + std::to_string(hd) + " (d_model / n_head)");
 }
 

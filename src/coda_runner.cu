@@ -13,7 +13,7 @@ CodaRunner::CodaRunner(DeviceState& state)
 
 void CodaRunner::require_feature(bool ok, const std::string& family, const std::string& feature) const {
   if (!ok)
-    throw std::invalid_argument("kernels coda: the " + family + " family's programs are built for " + feature +
+    throw UnsupportedByMode("kernels coda: the " + family + " family's programs are built for " + feature +
                                 ", which this " + arch_name(config_.arch) +
                                 " model does not match; run it with kernels = unfused");
 }

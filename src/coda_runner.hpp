@@ -16,9 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "kernels/coda/attention_writeout.cuh"
-#include "kernels/coda/passes.cuh"
 #include "kernels/coda/norm_stats.cuh"
+#include "kernels/coda/passes.cuh"
 #include "kernels/epilogue/epilogue.cuh"
 #include "kernels/gemm/gemm.cuh"
 #include "step_runner.hpp"
@@ -53,8 +54,8 @@ class CodaRunner : public StepRunner {
     int count = 0;
   };
 
-  // Throws std::invalid_argument naming `feature` when the model has it but the family's programs do not
-  // (has == false) or the other way round, and pointing to the unfused mode, which runs every model.
+  // Throws UnsupportedByMode (backend.hpp) naming `feature` when ok is false: the family's programs are
+  // built for that feature and the model does not have it; the unfused mode runs every model.
   void require_feature(bool ok, const std::string& family, const std::string& feature) const;
   // The activations, statistics, loss partials and gradient buffers both families use; a family's
   // plan_buffers calls this first, then adds its own.

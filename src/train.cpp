@@ -52,8 +52,8 @@ float lr_at(const RunConfig& c, int step) {
 }
 
 // ---- Backend selection: the only code that knows which backends exist. --device auto takes the GPU
-// when there is one; --kernels auto is the CODA mode there (docs/PERFORMANCE.md says how the modes
-// compare today; `coda bench` times both).
+// when there is one; --kernels auto is the CODA mode there, or the unfused mode for a model the CODA
+// programs do not cover (docs/PERFORMANCE.md says how the modes compare today; `coda bench` times both).
 namespace {
 bool use_cuda(const std::string& device) { return device == "cuda" || (device == "auto" && cuda_device_available()); }
 }  // namespace
@@ -70,8 +70,14 @@ void require_device_available(const RunConfig& config) {
 std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1) {
   require_device_available(config);
   if (use_cuda(config.device)) {
-    return make_cuda_backend(config.model, config.kernels == "auto" ? "coda" : config.kernels, config.batch_size,
-                             config.seq_len, zero1);
+    if (config.kernels != "auto")
+      return make_cuda_backend(config.model, config.kernels, config.batch_size, config.seq_len, zero1);
+    try {
+      return make_cuda_backend(config.model, "coda", config.batch_size, config.seq_len, zero1);
+    } catch (const UnsupportedByMode& e) {
+      spdlog::warn("kernels auto: {}; running the unfused mode", e.what());
+      return make_cuda_backend(config.model, "unfused", config.batch_size, config.seq_len, zero1);
+    }
   }
   if (zero1 != nullptr) throw std::logic_error("make_backend: ZeRO-1 on the cpu backend (checked earlier)");
   return make_cpu_backend(config.model, config.batch_size, config.seq_len);

@@ -22,6 +22,7 @@
 #include "src/cuda_backend.hpp"
 #include "src/model.hpp"
 #include "src/rng.hpp"
+#include "src/train.hpp"
 #include "tests/gpu_test_util.cuh"
 
 namespace {
@@ -193,6 +194,27 @@ TEST_P(GpuModel, FiftyStepsTrackTheCpuLossCurve) {
   std::printf("  max |gpu - cpu| loss over %d steps: %.4f\n", steps, max_diff);
   EXPECT_LT(worst_margin, 0.0) << "some step's loss differs by more than 0.02 + 2% of the CPU loss";
   EXPECT_LT(last, first - 0.5f);
+}
+
+// kernels = auto runs the CODA mode where its programs cover the model and the unfused mode elsewhere: a
+// Llama with head_dim 32 (the RoPE epilogue takes 64 and 128) is refused by kernels = coda, naming the
+// head size, and runs unfused under auto.
+TEST(GpuBackendChoice, AutoRunsUnfusedWhereTheCodaProgramsDoNotCoverTheModel) {
+  SKIP_WITHOUT_GPU();
+  coda::RunConfig run;
+  run.device = "cuda";
+  run.model = tiny_model(coda::Arch::Llama);
+  run.model.n_head = 8, run.model.n_kv_head = 4;  // head_dim 256 / 8 = 32
+  run.batch_size = 2, run.seq_len = 32;
+  try {
+    coda::make_cuda_backend(run.model, "coda", run.batch_size, run.seq_len);
+    ADD_FAILURE() << "kernels coda accepted head_dim 32";
+  } catch (const coda::UnsupportedByMode& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(coda::make_backend(run)->name(), "cuda-unfused");
+  run.model = tiny_model(coda::Arch::Llama);
+  EXPECT_EQ(coda::make_backend(run)->name(), "cuda-coda");
 }
 
 INSTANTIATE_TEST_SUITE_P(ArchMode, GpuModel,
