@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-namespace coda {
+#include "kernels/common/fp8_format.cuh"
 
-enum class Fp8Format { E4M3, E5M2 };
+namespace coda {
 
 const char* fp8_format_name(Fp8Format format);
 float fp8_largest(Fp8Format format);  // the largest finite value

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/common/fp8_format.cuh"
+
 namespace coda::unfused {
 
 using bf16 = __nv_bfloat16;
@@ -34,6 +36,19 @@ size_t column_sum_partials_floats(int max_cols);
 size_t column_sum_tickets(int max_cols);
 void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const ColumnSumWorkspace& ws,
                 cudaStream_t stream);
+
+// ---- FP8 quantization (fp8.cu) ---------------------------------------------------------------------------
+// q = fp8(x * scale) with the format's satfinite conversion (round to nearest even, saturating; the host
+// specification is src/fp8.hpp), scale read from the device, and *amax = max |x| over the tensor (NaN when x
+// holds a NaN), zeroed and written by the call: the amax of delayed scaling is the max of the tensor the
+// step quantizes, found in the same pass. An integer atomic max on the bits of non-negative floats, so the
+// result does not depend on the blocks' order. n a multiple of 8.
+void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float* scale, Fp8Format format,
+                  cudaStream_t stream);
+// The same for x [rows, cols] (row-major), stored transposed: qt [cols, rows], the K-major copy an FP8
+// GEMM needs of an operand that the other GEMMs read N-major. rows and cols multiples of 8.
+void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, int cols, const float* scale,
+                             Fp8Format format, cudaStream_t stream);
 
 // ---- embedding (embedding.cu) --------------------------------------------------------------------------
 // x[b*T + t, :] = wte[tokens[b*T + t], :] (+ wpe[t, :] when wpe is not null)

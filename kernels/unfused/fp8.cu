@@ -1,0 +1,150 @@
+// FP8 quantization with the amax of delayed scaling in the same pass (unfused.cuh). The conversion is the
+// hardware's (cvt.rn.satfinite e4m3x2 / e5m2x2 through cuda_fp8.h), two values per instruction; the amax is
+// the block's NaN-propagating max of |x|, one integer atomic max per block on the float's bits (for
+// non-negative floats the bit order is the value order, and NaN's bits sort above infinity's).
+// Flat: one 16-byte packet of 8 bf16 in, 8 bytes out per thread and step, grid-stride over the tensor.
+// Transposed: a 64 x 64 tile per block through shared memory (fp32, a padded row of 65 so the column
+// reads do not all hit one bank), read as 16-byte row packets, written as 8-byte column packets of qt.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/kernel_profile.cuh"
+#include "kernels/common/launch.cuh"
+#include "kernels/common/vec.cuh"
+#include "kernels/unfused/unfused.cuh"
+
+namespace coda::unfused {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTile = 64;
+
+// max(a, |x|), NaN once either is NaN.
+__device__ __forceinline__ float max_abs(float a, float x) {
+  const float m = fabsf(x);
+  return (m > a || m != m) ? m : a;
+}
+
+__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+
+// The block's max into *amax_bits (blockDim.x == kThreads).
+__device__ __forceinline__ void block_amax(float local, unsigned int* amax_bits) {
+  __shared__ float warps[kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) local = nan_max(local, __shfl_xor_sync(0xffffffffu, local, offset));
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = warps[0];
+    for (int w = 1; w < kThreads / 32; ++w) m = nan_max(m, warps[w]);
+    atomicMax(amax_bits, __float_as_uint(m));
+  }
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ unsigned short fp8x2(float a, float b) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFormat);
+}
+
+// 8 values times scale as 8 fp8 bytes, first value in the lowest byte.
+template <__nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ uint2 pack_fp8x8(const float (&v)[8], float scale) {
+  uint2 out;
+  out.x = fp8x2<kFormat>(v[0] * scale, v[1] * scale) | (static_cast<unsigned int>(fp8x2<kFormat>(v[2] * scale, v[3] * scale)) << 16);
+  out.y = fp8x2<kFormat>(v[4] * scale, v[5] * scale) | (static_cast<unsigned int>(fp8x2<kFormat>(v[6] * scale, v[7] * scale)) << 16);
+  return out;
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(uint8_t* __restrict__ q, unsigned int* amax_bits, const bf16* __restrict__ x, size_t packets,
+                    const float* scale_ptr) {
+  start_after_previous_kernel();
+  const float scale = *scale_ptr;
+  float local = 0.0f;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < packets;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float v[8];
+    load_bf16x8(v, x + 8 * i);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) local = max_abs(local, v[j]);
+    *reinterpret_cast<uint2*>(q + 8 * i) = pack_fp8x8<kFormat>(v, scale);
+  }
+  block_amax(local, amax_bits);
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+__global__ void __launch_bounds__(kThreads)
+    quantize_transposed_kernel(uint8_t* __restrict__ qt, unsigned int* amax_bits, const bf16* __restrict__ x,
+                               int rows, int cols, const float* scale_ptr) {
+  __shared__ float tile[kTile][kTile + 1];
+  start_after_previous_kernel();
+  const float scale = *scale_ptr;
+  const int row0 = blockIdx.y * kTile, col0 = blockIdx.x * kTile;
+  float local = 0.0f;
+  for (int p = threadIdx.x; p < kTile * kTile / 8; p += kThreads) {  // row packets: 8 per tile row
+    const int r = p / (kTile / 8), c = p % (kTile / 8) * 8;
+    float v[8] = {};
+    if (row0 + r < rows && col0 + c < cols) load_bf16x8(v, x + static_cast<size_t>(row0 + r) * cols + col0 + c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      tile[r][c + j] = v[j];
+      local = max_abs(local, v[j]);
+    }
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < kTile * kTile / 8; p += kThreads) {  // column packets: 8 per tile column
+    const int c = p / (kTile / 8), r = p % (kTile / 8) * 8;
+    if (col0 + c >= cols || row0 + r >= rows) continue;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = tile[r + j][c];
+    *reinterpret_cast<uint2*>(qt + static_cast<size_t>(col0 + c) * rows + row0 + r) = pack_fp8x8<kFormat>(v, scale);
+  }
+  block_amax(local, amax_bits);
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("quantize_fp8: " + what);
+}
+
+}  // namespace
+
+void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float* scale, Fp8Format format,
+                  cudaStream_t stream) {
+  require(n % 8 == 0, "size " + std::to_string(n) + " must be a multiple of 8");
+  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (n == 0) return;
+  const profile::Region region("quantize_fp8", profile::Work::Epilogue, stream);
+  const size_t packets = n / 8;
+  const unsigned int blocks = std::min<unsigned int>(blocks_for(packets, kThreads), 8u * sm_count());
+  unsigned int* bits = reinterpret_cast<unsigned int*>(amax);
+  if (format == Fp8Format::E4M3)
+    launch_kernel(quantize_kernel<__NV_E4M3>, after_previous(blocks, kThreads), stream, q, bits, x, packets, scale);
+  else
+    launch_kernel(quantize_kernel<__NV_E5M2>, after_previous(blocks, kThreads), stream, q, bits, x, packets, scale);
+}
+
+void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, int cols, const float* scale,
+                             Fp8Format format, cudaStream_t stream) {
+  require(rows % 8 == 0 && cols % 8 == 0 && rows >= 0 && cols >= 0,
+          "rows " + std::to_string(rows) + " and cols " + std::to_string(cols) + " must be multiples of 8");
+  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (rows == 0 || cols == 0) return;
+  const profile::Region region("quantize_fp8_transposed", profile::Work::Epilogue, stream);
+  const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile);
+  unsigned int* bits = reinterpret_cast<unsigned int*>(amax);
+  if (format == Fp8Format::E4M3)
+    launch_kernel(quantize_transposed_kernel<__NV_E4M3>, after_previous(grid, kThreads), stream, qt, bits, x, rows,
+                  cols, scale);
+  else
+    launch_kernel(quantize_transposed_kernel<__NV_E5M2>, after_previous(grid, kThreads), stream, qt, bits, x, rows,
+                  cols, scale);
+}
+
+}  // namespace coda::unfused

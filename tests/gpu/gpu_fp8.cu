@@ -1,0 +1,93 @@
+// The FP8 quantize kernels (kernels/unfused/fp8.cu) against the host codec (src/fp8.hpp, itself checked
+// against CUDA's host conversions): every byte equal, flat and transposed, both formats, on random bf16 data
+// over many binades with a scale that pushes the largest values past the format's range (saturation), a
+// tail shape that is not a multiple of the 64 x 64 tile, and the amax equal to the host's max |x| (NaN in,
+// NaN out).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/unfused/unfused.cuh"
+#include "src/fp8.hpp"
+#include "src/rng.hpp"
+#include "tests/gpu_test_util.cuh"
+
+namespace {
+
+using coda::Fp8Format;
+using bf16 = __nv_bfloat16;
+
+struct Quantized {
+  std::vector<uint8_t> q;
+  float amax = 0.0f;
+};
+
+// Random bf16 magnitudes over 2^-20 .. 2^11 of both signs, as the device will read them.
+std::vector<bf16> random_bf16(size_t n, uint64_t seed) {
+  coda::Rng rng(seed);
+  std::vector<bf16> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    const float m = std::ldexp(static_cast<float>(rng.uniform()) + 0.5f, static_cast<int>(rng.below(32)) - 20);
+    x[i] = __float2bfloat16(i % 3 == 0 ? -m : m);
+  }
+  return x;
+}
+
+Quantized run(const std::vector<bf16>& x, int rows, int cols, bool transposed, float scale, Fp8Format format) {
+  bf16* dx = nullptr;
+  uint8_t* dq = nullptr;
+  float *damax = nullptr, *dscale = nullptr;
+  CUDA_CHECK(cudaMalloc(&dx, x.size() * sizeof(bf16)));
+  CUDA_CHECK(cudaMalloc(&dq, x.size()));
+  CUDA_CHECK(cudaMalloc(&damax, sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&dscale, sizeof(float)));
+  CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dscale, &scale, sizeof(float), cudaMemcpyHostToDevice));
+  if (transposed)
+    coda::unfused::quantize_fp8_transposed(dq, damax, dx, rows, cols, dscale, format, nullptr);
+  else
+    coda::unfused::quantize_fp8(dq, damax, dx, x.size(), dscale, format, nullptr);
+  Quantized out;
+  out.q.resize(x.size());
+  CUDA_CHECK(cudaMemcpy(out.q.data(), dq, x.size(), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(&out.amax, damax, sizeof(float), cudaMemcpyDeviceToHost));
+  for (void* p : {static_cast<void*>(dx), static_cast<void*>(dq), static_cast<void*>(damax), static_cast<void*>(dscale)})
+    CUDA_CHECK(cudaFree(p));
+  return out;
+}
+
+TEST(GpuFp8, QuantizeFlatAndTransposedEqualTheHostCodec) {
+  SKIP_WITHOUT_GPU();
+  const int rows = 200, cols = 136;  // 4 x 3 tiles, the last ones partial
+  const std::vector<bf16> x = random_bf16(static_cast<size_t>(rows) * cols, 7);
+  float amax = 0.0f;
+  for (bf16 v : x) amax = std::fmax(amax, std::fabs(__bfloat162float(v)));
+  for (Fp8Format format : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+    const float scale = 2.0f * coda::fp8_largest(format) / amax;  // the largest values saturate
+    for (bool transposed : {false, true}) {
+      const Quantized q = run(x, rows, cols, transposed, scale, format);
+      EXPECT_EQ(q.amax, amax) << coda::fp8_format_name(format) << (transposed ? " transposed" : "");
+      size_t mismatches = 0;
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) {
+          const uint8_t expected = coda::fp8_encode(__bfloat162float(x[static_cast<size_t>(r) * cols + c]) * scale, format);
+          const uint8_t got = transposed ? q.q[static_cast<size_t>(c) * rows + r] : q.q[static_cast<size_t>(r) * cols + c];
+          mismatches += got != expected;
+        }
+      EXPECT_EQ(mismatches, 0u) << coda::fp8_format_name(format) << (transposed ? " transposed" : "");
+    }
+  }
+}
+
+TEST(GpuFp8, AmaxIsNanWhenTheTensorHoldsANan) {
+  SKIP_WITHOUT_GPU();
+  std::vector<bf16> x = random_bf16(64 * 64, 8);
+  x[1234] = __float2bfloat16(std::nanf(""));
+  for (bool transposed : {false, true})
+    EXPECT_TRUE(std::isnan(run(x, 64, 64, transposed, 1.0f, Fp8Format::E4M3).amax)) << transposed;
+}
+
+}  // namespace
