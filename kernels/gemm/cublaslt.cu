@@ -1,7 +1,9 @@
 // cuBLASLt wrapper; see cublaslt.cuh for the conventions.
 #include "kernels/gemm/cublaslt.cuh"
 
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/kernel_profile.cuh"
@@ -47,7 +49,7 @@ CublasLt::~CublasLt() {
 const CublasLt::Plan& CublasLt::plan(const Key& key) {
   auto found = plans_.find(key);
   if (found != plans_.end()) return *found->second;
-  const auto [M, N, K, op_a, op_b, d_type] = key;
+  const auto [M, N, K, op_a, op_b, d_type, a_type, b_type] = key;
   // Column-major view: D^T [N, M] = op(B)^T [N, K] * op(A)^T [K, M]; cuBLAS's first operand is our B.
   auto* p = new Plan;
   const cublasOperation_t trans_first = op_b == static_cast<int>(Op::T) ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -58,8 +60,10 @@ const CublasLt::Plan& CublasLt::plan(const Key& key) {
       cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_second, sizeof(trans_second)));
   // Stored shapes in column-major terms (rows, cols, leading dimension).
   const bool b_t = trans_first == CUBLAS_OP_T, a_t = trans_second == CUBLAS_OP_T;
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, b_t ? K : N, b_t ? N : K, b_t ? K : N));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, a_t ? M : K, a_t ? K : M, a_t ? M : K));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, static_cast<cudaDataType_t>(b_type), b_t ? K : N, b_t ? N : K,
+                                          b_t ? K : N));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, static_cast<cudaDataType_t>(a_type), a_t ? M : K, a_t ? K : M,
+                                          a_t ? M : K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, static_cast<cudaDataType_t>(d_type), N, M, N));
   cublasLtMatmulPreference_t preference;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
@@ -79,28 +83,59 @@ const CublasLt::Plan& CublasLt::plan(const Key& key) {
   return *p;
 }
 
-void CublasLt::run(void* D, cudaDataType_t d_type, const __nv_bfloat16* A, Op op_a, const __nv_bfloat16* B, Op op_b,
-                   int M, int N, int K, bool accumulate, cudaStream_t stream) {
-  const Plan& p = plan(Key{M, N, K, static_cast<int>(op_a), static_cast<int>(op_b), static_cast<int>(d_type)});
+void CublasLt::run(void* D, cudaDataType_t d_type, const Operand& A, const Operand& B, int M, int N, int K,
+                   bool accumulate, cudaStream_t stream) {
+  const Plan& p = plan(Key{M, N, K, static_cast<int>(A.op), static_cast<int>(B.op), static_cast<int>(d_type),
+                           static_cast<int>(A.type), static_cast<int>(B.type)});
+  if (A.dequant != nullptr) {  // cuBLAS's A is our B (the operands are swapped, above)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &B.dequant,
+                                                sizeof(B.dequant)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &A.dequant,
+                                                sizeof(A.dequant)));
+  }
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const char* ops[] = {"N", "T"};
-  const profile::Region region(profile::enabled() ? "cublaslt " + std::to_string(M) + "x" + std::to_string(N) + "x" +
-                                                        std::to_string(K) + " " + ops[static_cast<int>(op_a)] +
-                                                        ops[static_cast<int>(op_b)] + (accumulate ? " accumulate" : "")
+  const profile::Region region(profile::enabled() ? std::string(A.dequant != nullptr ? "cublaslt fp8 " : "cublaslt ") +
+                                                        std::to_string(M) + "x" + std::to_string(N) + "x" +
+                                                        std::to_string(K) + " " + ops[static_cast<int>(A.op)] +
+                                                        ops[static_cast<int>(B.op)] + (accumulate ? " accumulate" : "")
                                                   : std::string(),
                                profile::Work::Gemm, stream);
-  CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, B, p.b, A, p.a, &beta, D, p.d, D, p.d, &p.algo, workspace_,
-                              kWorkspaceBytes, stream));
+  CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, B.data, p.b, A.data, p.a, &beta, D, p.d, D, p.d, &p.algo,
+                              workspace_, kWorkspaceBytes, stream));
 }
 
 void CublasLt::gemm(__nv_bfloat16* D, const __nv_bfloat16* A, Op op_a, const __nv_bfloat16* B, Op op_b, int M, int N,
                     int K, bool accumulate, cudaStream_t stream) {
-  run(D, CUDA_R_16BF, A, op_a, B, op_b, M, N, K, accumulate, stream);
+  run(D, CUDA_R_16BF, {A, op_a, CUDA_R_16BF, nullptr}, {B, op_b, CUDA_R_16BF, nullptr}, M, N, K, accumulate, stream);
 }
 
 void CublasLt::gemm(float* D, const __nv_bfloat16* A, Op op_a, const __nv_bfloat16* B, Op op_b, int M, int N, int K,
                     bool accumulate, cudaStream_t stream) {
-  run(D, CUDA_R_32F, A, op_a, B, op_b, M, N, K, accumulate, stream);
+  run(D, CUDA_R_32F, {A, op_a, CUDA_R_16BF, nullptr}, {B, op_b, CUDA_R_16BF, nullptr}, M, N, K, accumulate, stream);
 }
+
+namespace {
+cudaDataType_t fp8_type(Fp8Format format) { return format == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+}  // namespace
+
+template <typename OutT>
+void CublasLt::gemm_fp8(OutT* D, const uint8_t* A, Fp8Format a_format, const float* a_dequant, const uint8_t* B,
+                        Fp8Format b_format, const float* b_dequant, int M, int N, int K, bool accumulate,
+                        cudaStream_t stream) {
+  if (a_format == Fp8Format::E5M2 && b_format == Fp8Format::E5M2)
+    throw std::invalid_argument("cuBLASLt FP8: e5m2 x e5m2 is not a Hopper format pair (one operand must be e4m3)");
+  if (a_dequant == nullptr || b_dequant == nullptr)
+    throw std::invalid_argument("cuBLASLt FP8: both dequantization factors are required");
+  if (K % 16 != 0) throw std::invalid_argument("cuBLASLt FP8: K=" + std::to_string(K) + " must be a multiple of 16");
+  const cudaDataType_t d_type = std::is_same_v<OutT, float> ? CUDA_R_32F : CUDA_R_16BF;
+  run(D, d_type, {A, Op::N, fp8_type(a_format), a_dequant}, {B, Op::T, fp8_type(b_format), b_dequant}, M, N, K,
+      accumulate, stream);
+}
+template void CublasLt::gemm_fp8<__nv_bfloat16>(__nv_bfloat16*, const uint8_t*, Fp8Format, const float*,
+                                                const uint8_t*, Fp8Format, const float*, int, int, int, bool,
+                                                cudaStream_t);
+template void CublasLt::gemm_fp8<float>(float*, const uint8_t*, Fp8Format, const float*, const uint8_t*, Fp8Format,
+                                        const float*, int, int, int, bool, cudaStream_t);
 
 }  // namespace coda

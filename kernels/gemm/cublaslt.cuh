@@ -8,14 +8,21 @@
 //   wgrad    dW += dY^T X    gemm(dW, dY, T, X, N, accumulate)
 // cuBLAS is column-major, so the row-major product is computed as D^T = op(B)^T op(A)^T with the operands
 // swapped. Algorithms come from cuBLASLt's heuristic once per shape and are cached; the workspace is 32 MiB.
+// FP8 (gemm_fp8): Hopper's FP8 tensor cores take both operands K-major, which is the forward layout
+// D[M, N] = A[M, K] B[N, K]^T, so a dgrad or wgrad operand comes as a transposed FP8 copy
+// (unfused::quantize_fp8_transposed); D = a_dequant b_dequant (A B^T) (+ D), the dequantization factors
+// (1 / the quantization scales) read from the device. e5m2 x e5m2 is not a Hopper format pair.
 
 #pragma once
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <map>
 #include <tuple>
+
+#include "kernels/common/fp8_format.cuh"
 
 namespace coda {
 
@@ -32,12 +39,22 @@ class CublasLt {
             bool accumulate, cudaStream_t stream);
   void gemm(float* D, const __nv_bfloat16* A, Op op_a, const __nv_bfloat16* B, Op op_b, int M, int N, int K,
             bool accumulate, cudaStream_t stream);
+  // D[M, N] (bf16 or fp32) = a_dequant b_dequant (A[M, K] B[N, K]^T) (+ D), A and B FP8 of the given formats.
+  template <typename OutT>
+  void gemm_fp8(OutT* D, const uint8_t* A, Fp8Format a_format, const float* a_dequant, const uint8_t* B,
+                Fp8Format b_format, const float* b_dequant, int M, int N, int K, bool accumulate, cudaStream_t stream);
 
  private:
   struct Plan;
-  using Key = std::tuple<int, int, int, int, int, int>;  // M, N, K, op_a, op_b, D type
-  void run(void* D, cudaDataType_t d_type, const __nv_bfloat16* A, Op op_a, const __nv_bfloat16* B, Op op_b, int M,
-           int N, int K, bool accumulate, cudaStream_t stream);
+  struct Operand {
+    const void* data;
+    Op op;
+    cudaDataType_t type;
+    const float* dequant;  // FP8 only: its factor on the device
+  };
+  using Key = std::tuple<int, int, int, int, int, int, int, int>;  // M, N, K, op_a, op_b, D, A, B types
+  void run(void* D, cudaDataType_t d_type, const Operand& A, const Operand& B, int M, int N, int K, bool accumulate,
+           cudaStream_t stream);
   const Plan& plan(const Key& key);
 
   cublasLtHandle_t handle_ = nullptr;

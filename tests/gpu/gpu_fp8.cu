@@ -2,14 +2,17 @@
 // against CUDA's host conversions): every byte equal, flat and transposed, both formats, on random bf16 data
 // over many binades with a scale that pushes the largest values past the format's range (saturation), a
 // tail shape that is not a multiple of the 64 x 64 tile, and the amax equal to the host's max |x| (NaN in,
-// NaN out).
+// NaN out). cuBLASLt's FP8 GEMM (CublasLt::gemm_fp8) against the host product of the decoded operands with
+// their dequantization factors, for e4m3 x e4m3 and e4m3 x e5m2, bf16 and accumulated fp32 outputs.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/gemm/cublaslt.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "src/fp8.hpp"
 #include "src/rng.hpp"
@@ -88,6 +91,65 @@ TEST(GpuFp8, AmaxIsNanWhenTheTensorHoldsANan) {
   x[1234] = __float2bfloat16(std::nanf(""));
   for (bool transposed : {false, true})
     EXPECT_TRUE(std::isnan(run(x, 64, 64, transposed, 1.0f, Fp8Format::E4M3).amax)) << transposed;
+}
+
+TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
+  SKIP_WITHOUT_GPU();
+  const int M = 256, N = 192, K = 320;
+  coda::Rng rng(9);
+  auto codes = [&](size_t n, Fp8Format format) {
+    std::vector<uint8_t> q(n);
+    for (auto& c : q) c = coda::fp8_encode(static_cast<float>(rng.normal()) * 0.3f * coda::fp8_largest(format), format);
+    return q;
+  };
+  coda::CublasLt cublas;
+  for (Fp8Format b_format : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+    const std::vector<uint8_t> a = codes(static_cast<size_t>(M) * K, Fp8Format::E4M3), b = codes(static_cast<size_t>(N) * K, b_format);
+    const float dequant[2] = {1.0f / 300.0f, 1.0f / 7000.0f};
+    std::vector<double> expected(static_cast<size_t>(M) * N), magnitude(expected.size());
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n)
+        for (int k = 0; k < K; ++k) {
+          const double term = static_cast<double>(coda::fp8_decode(a[m * K + k], Fp8Format::E4M3)) *
+                              coda::fp8_decode(b[n * K + k], b_format) * dequant[0] * dequant[1];
+          expected[m * N + n] += term;
+          magnitude[m * N + n] += std::fabs(term);
+        }
+    uint8_t *da = nullptr, *db = nullptr;
+    float *dd = nullptr, *dscale = nullptr;
+    bf16* dh = nullptr;
+    CUDA_CHECK(cudaMalloc(&da, a.size()));
+    CUDA_CHECK(cudaMalloc(&db, b.size()));
+    CUDA_CHECK(cudaMalloc(&dd, expected.size() * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&dh, expected.size() * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&dscale, 2 * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(da, a.data(), a.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(db, b.data(), b.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dscale, dequant, sizeof(dequant), cudaMemcpyHostToDevice));
+    const std::vector<float> start(expected.size(), 0.5f);  // fp32 D accumulates onto it
+    CUDA_CHECK(cudaMemcpy(dd, start.data(), start.size() * sizeof(float), cudaMemcpyHostToDevice));
+    cublas.gemm_fp8(dd, da, Fp8Format::E4M3, dscale, db, b_format, dscale + 1, M, N, K, true, nullptr);
+    cublas.gemm_fp8(dh, da, Fp8Format::E4M3, dscale, db, b_format, dscale + 1, M, N, K, false, nullptr);
+    std::vector<float> d(expected.size());
+    std::vector<bf16> h(expected.size());
+    CUDA_CHECK(cudaMemcpy(d.data(), dd, d.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h.data(), dh, h.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+    double worst_fp32 = 0.0, worst_bf16 = 0.0;
+    for (size_t i = 0; i < expected.size(); ++i) {
+      worst_fp32 = std::fmax(worst_fp32, std::fabs(d[i] - 0.5 - expected[i]) / (magnitude[i] + 1e-30));
+      worst_bf16 = std::fmax(worst_bf16, std::fabs(__bfloat162float(h[i]) - expected[i]) / (magnitude[i] + 1e-30));
+    }
+    EXPECT_LT(worst_fp32, 1e-4) << coda::fp8_format_name(b_format);  // fp32 accumulation, relative to sum |terms|
+    EXPECT_LT(worst_bf16, 8e-3) << coda::fp8_format_name(b_format);  // plus bf16's rounding of the output
+    for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dd), static_cast<void*>(dh),
+                    static_cast<void*>(dscale)})
+      CUDA_CHECK(cudaFree(p));
+  }
+  uint8_t* none = nullptr;
+  float* dummy = nullptr;
+  EXPECT_THROW(cublas.gemm_fp8(dummy, none, Fp8Format::E5M2, dummy, none, Fp8Format::E5M2, dummy, 16, 16, 16, false,
+                               nullptr),
+               std::invalid_argument);
 }
 
 }  // namespace
