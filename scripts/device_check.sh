@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
 # every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
-# profile (with the fusion bound) of both modes on gpt2-124m and llama3.2-1b, a ZeRO-1 run against the plain
-# one, tiny-qwen2 trained in both modes, and `coda train` of gpt2-124m against its bench step; then a summary
-# table (the last output lines).
+# profile (with the fusion bound) of both modes on gpt2-124m, llama3.2-1b and qwen2.5-0.5b, a ZeRO-1 run
+# against the plain one, tiny-qwen2 trained in both modes, and `coda train` of gpt2-124m against its bench
+# step; then a summary table (the last output lines).
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
@@ -57,6 +57,7 @@ bench() {  # name config B T
 }
 bench gpt2-124m configs/gpt2-124m.toml 32 1024
 bench llama3.2-1b configs/llama3.2-1b.toml 8 2048
+bench qwen2.5-0.5b configs/qwen2.5-0.5b.toml 16 2048
 
 echo "== ZeRO-1 training run against the plain one (tiny-gpt2, 40 steps, mpirun -np 1)"
 data=$(mktemp -d)
@@ -108,24 +109,24 @@ printf '%-28s %s passed, %s failed\n' "GPU tests, mpirun -np 1" "$(count '^\[   
 printf '%-28s %s\n' "ZeRO-1 vs plain (tiny-gpt2)" "$zero1_same"
 printf '%-28s %s\n' "coda train vs bench, gpt2" "$train_vs_bench"
 printf '%-28s %s\n' "tiny-qwen2, 100 steps" "$qwen2_losses"
-for name in gpt2-124m llama3.2-1b; do  # the unfused profile's share of epilogue operations, and the bound
+for name in gpt2-124m llama3.2-1b qwen2.5-0.5b; do  # the unfused profile's share of epilogue operations, and the bound
   bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
   printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"
 done
 printf '%-14s %-16s %9s %9s %7s %8s %8s %7s %7s %9s %8s\n' model backend "ms/step" "tokens/s" MFU "fwd ms" "bwd ms" \
   "J/step" "SM MHz" "tokens/J" anchor
-for run in gpt2-124m:62.65 llama3.2-1b:242; do
+for run in gpt2-124m:62.65 llama3.2-1b:242 qwen2.5-0.5b:-; do
   name=${run%%:*} anchor=${run##*:}
   python3 - "$logs/bench_$name.json" "$name" "$anchor" <<'PY' || echo "$name: no bench result"
 import json, sys
-path, name, anchor = sys.argv[1], sys.argv[2], float(sys.argv[3])
+path, name, anchor = sys.argv[1], sys.argv[2], sys.argv[3]
 def fig(value, spec):
     return format(value, spec) if value else "-"
 for r in json.load(open(path)):
     mfu = f"{100 * r['mfu']:.1f}%" if r.get('mfu') else "-"
     print(f"{name:<14} {r['backend']:<16} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
           f"{fig(r['forward_ms'], '8.2f'):>8} {fig(r['backward_ms'], '8.2f'):>8} {fig(r['joules_per_step'], '7.2f'):>7} "
-          f"{fig(r['mean_sm_clock_mhz'], '7.0f'):>7} {fig(r['tokens_per_joule'], '9.0f'):>9} {anchor:8.1f}")
+          f"{fig(r['mean_sm_clock_mhz'], '7.0f'):>7} {fig(r['tokens_per_joule'], '9.0f'):>9} {anchor:>8}")
 PY
 done
 echo "(anchor: PyTorch + torch.compile ms/step on one H200, docs/PERFORMANCE.md)"
