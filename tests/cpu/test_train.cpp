@@ -141,8 +141,8 @@ class Training : public testing::Test {
     c.model.n_layer = 2;
     c.model.d_model = 64;
     c.model.n_head = 4;
-    c.model.n_kv_head = arch == coda::Arch::Llama ? 2 : 4;
-    c.model.d_ff = arch == coda::Arch::Llama ? 192 : 256;
+    c.model.n_kv_head = arch == coda::Arch::GPT2 ? 4 : 2;
+    c.model.d_ff = arch == coda::Arch::GPT2 ? 256 : 192;
     c.model.vocab_size = coda::kByteVocabSize;
     c.model.max_seq_len = 16;
     c.model.tied_head = arch == coda::Arch::GPT2;
@@ -210,6 +210,21 @@ TEST_F(Training, LlamaLossFallsPastTheBigramBoundTowardTheEntropyRate) {
   const float val_loss = learn(coda::Arch::Llama, 200);  // RoPE finds the previous token sooner
   EXPECT_LT(val_loss, std::log(8.0) - 0.2);
   EXPECT_GT(val_loss, coda::synthetic_entropy_rate() - 0.02);
+}
+
+// Qwen2 (Llama's features plus the QKV bias) learns as Llama does, and its checkpoint read as a bare HF
+// Qwen2ForCausalLM directory (config.json + model.safetensors, what `coda eval` gets from transformers)
+// gives the same loss.
+TEST_F(Training, Qwen2LearnsAndItsHfDirectoryEvaluatesTheSame) {
+  const float val_loss = learn(coda::Arch::Qwen2, 200);
+  EXPECT_LT(val_loss, std::log(8.0) - 0.2);
+  EXPECT_GT(val_loss, coda::synthetic_entropy_rate() - 0.02);
+  const fs::path checkpoint = fs::path(*root_ / "learn_qwen2") / "step_200", hf = *root_ / "hf_qwen2";
+  fs::create_directories(hf);
+  for (const char* file : {"config.json", "model.safetensors"}) fs::copy_file(checkpoint / file, hf / file);
+  EXPECT_EQ(nlohmann::json::parse(read_text(hf / "config.json")).at("architectures")[0], "Qwen2ForCausalLM");
+  const std::string val = *root_ / "data/val_*.bin";
+  EXPECT_EQ(coda::evaluate({hf.string(), val, 16, 32, 16, "cpu"}), val_loss);
 }
 
 TEST_F(Training, OneSeedGivesIdenticalRunsAndAnotherSeedDoesNot) {
