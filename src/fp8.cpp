@@ -25,7 +25,7 @@ Layout layout(Fp8Format format) {
 
 const char* fp8_format_name(Fp8Format format) { return format == Fp8Format::E4M3 ? "e4m3" : "e5m2"; }
 
-float fp8_largest(Fp8Format format) { return fp8_decode(layout(format).largest_code, format); }
+float fp8_largest(Fp8Format format) { return fp8_max_finite(format); }
 
 float fp8_decode(uint8_t code, Fp8Format format) {
   const Layout l = layout(format);
@@ -66,11 +66,11 @@ Fp8DelayedScale::Fp8DelayedScale(Fp8Format format, int history, int margin)
 }
 
 void Fp8DelayedScale::record(float amax, int step, const std::string& what) {
+  if (step < 0) throw std::invalid_argument("fp8 delayed scaling: step must be >= 0, got " + std::to_string(step));
   if (!std::isfinite(amax) || amax < 0.0f)
     throw std::runtime_error("fp8: " + what + " has amax " + std::to_string(amax) + " at step " +
                              std::to_string(step) + " (an overflow or NaN upstream; the scale is kept)");
-  history_[next_] = amax;
-  next_ = (next_ + 1) % history_.size();
+  history_[static_cast<size_t>(step) % history_.size()] = amax;
 }
 
 void Fp8DelayedScale::update() {

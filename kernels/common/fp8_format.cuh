@@ -6,4 +6,7 @@ namespace coda {
 
 enum class Fp8Format { E4M3, E5M2 };
 
+// The largest finite value of each format: 1.75 * 2^8 and 1.75 * 2^15.
+constexpr float fp8_max_finite(Fp8Format format) { return format == Fp8Format::E4M3 ? 448.0f : 57344.0f; }
+
 }  // namespace coda

@@ -5,6 +5,7 @@
 // Flat: one 16-byte packet of 8 bf16 in, 8 bytes out per thread and step, grid-stride over the tensor.
 // Transposed: a 64 x 64 tile per block through shared memory (fp32, a padded row of 65 so the column
 // reads do not all hit one bank), read as 16-byte row packets, written as 8-byte column packets of qt.
+// Delayed scaling: one thread per tensor, the same float operations as the host's Fp8DelayedScale.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -109,15 +110,36 @@ __global__ void __launch_bounds__(kThreads)
   block_amax(local, amax_bits);
 }
 
+__global__ void __launch_bounds__(kThreads)
+    update_scales_kernel(float* scale, float* dequant, float* history, const float* amax, int count, int history_len,
+                         int step, int margin, float largest, unsigned int* bad) {
+  start_after_previous_kernel();
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= count) return;
+  const float a = amax[t];
+  if (!(a >= 0.0f) || isinf(a)) {
+    atomicCAS(bad, 0u, static_cast<unsigned int>(t + 1));
+    return;
+  }
+  float* ring = history + static_cast<size_t>(t) * history_len;
+  ring[step % history_len] = a;
+  float m = 0.0f;
+  for (int i = 0; i < history_len; ++i) m = fmaxf(m, ring[i]);
+  if (m > 0.0f) {
+    scale[t] = ldexpf(largest / m, -margin);
+    dequant[t] = 1.0f / scale[t];
+  }
+}
+
 void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("quantize_fp8: " + what);
+  if (!ok) throw std::invalid_argument(what);
 }
 
 }  // namespace
 
 void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float* scale, Fp8Format format,
                   cudaStream_t stream) {
-  require(n % 8 == 0, "size " + std::to_string(n) + " must be a multiple of 8");
+  require(n % 8 == 0, "quantize_fp8: size " + std::to_string(n) + " must be a multiple of 8");
   CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (n == 0) return;
   const profile::Region region("quantize_fp8", profile::Work::Epilogue, stream);
@@ -133,7 +155,8 @@ void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float*
 void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, int cols, const float* scale,
                              Fp8Format format, cudaStream_t stream) {
   require(rows % 8 == 0 && cols % 8 == 0 && rows >= 0 && cols >= 0,
-          "rows " + std::to_string(rows) + " and cols " + std::to_string(cols) + " must be multiples of 8");
+          "quantize_fp8_transposed: rows " + std::to_string(rows) + " and cols " + std::to_string(cols) +
+              " must be multiples of 8");
   CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (rows == 0 || cols == 0) return;
   const profile::Region region("quantize_fp8_transposed", profile::Work::Epilogue, stream);
@@ -145,6 +168,16 @@ void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, 
   else
     launch_kernel(quantize_transposed_kernel<__NV_E5M2>, after_previous(grid, kThreads), stream, qt, bits, x, rows,
                   cols, scale);
+}
+
+void fp8_update_scales(float* scale, float* dequant, float* history, const float* amax, int count, int history_len,
+                       int step, int margin, Fp8Format format, unsigned int* bad, cudaStream_t stream) {
+  require(count >= 0 && history_len >= 1 && step >= 0 && margin >= 0,
+          "fp8_update_scales: count " + std::to_string(count) + ", history " + std::to_string(history_len) +
+              ", step " + std::to_string(step) + ", margin " + std::to_string(margin));
+  if (count == 0) return;
+  launch_kernel(update_scales_kernel, after_previous(blocks_for(count, kThreads), kThreads), stream, scale, dequant,
+                history, amax, count, history_len, step, margin, fp8_max_finite(format), bad);
 }
 
 }  // namespace coda::unfused

@@ -50,6 +50,15 @@ void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float*
 void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, int cols, const float* scale,
                              Fp8Format format, cudaStream_t stream);
 
+// Delayed scaling of `count` tensors in one launch (Fp8DelayedScale of src/fp8.hpp is the host
+// specification): each tensor's amax of this step (amax[t], written by its quantize call) goes into its
+// history ring (history[t * history_len + step % history_len]), and scale[t] = largest / (max of the history
+// * 2^margin), dequant[t] = 1 / scale[t], for the next step; a history of zeros keeps the scale. A
+// non-finite amax keeps the tensor's scale and history and sets *bad to t + 1 (the first such tensor), which
+// the host reads with the step's loss: no inf or NaN reaches a scale, and the report names the tensor.
+void fp8_update_scales(float* scale, float* dequant, float* history, const float* amax, int count, int history_len,
+                       int step, int margin, Fp8Format format, unsigned int* bad, cudaStream_t stream);
+
 // ---- embedding (embedding.cu) --------------------------------------------------------------------------
 // x[b*T + t, :] = wte[tokens[b*T + t], :] (+ wpe[t, :] when wpe is not null)
 void embedding_forward(bf16* x, const int32_t* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C,

@@ -58,6 +58,8 @@ TEST(Fp8, EveryCodeDecodesAsCudaDoesAndEncodesBackToItself) {
     }
   EXPECT_EQ(coda::fp8_largest(Fp8Format::E4M3), 448.0f);
   EXPECT_EQ(coda::fp8_largest(Fp8Format::E5M2), 57344.0f);
+  for (Fp8Format format : kFormats)  // the largest code decodes to it, and the next finite value does not exist
+    EXPECT_EQ(coda::fp8_decode(coda::fp8_encode(1e30f, format), format), coda::fp8_largest(format));
 }
 
 // Random magnitudes over every binade, the midpoints between neighbouring codes (ties), saturation and

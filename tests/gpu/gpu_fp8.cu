@@ -3,12 +3,14 @@
 // over many binades with a scale that pushes the largest values past the format's range (saturation), a
 // tail shape that is not a multiple of the 64 x 64 tile, and the amax equal to the host's max |x| (NaN in,
 // NaN out). cuBLASLt's FP8 GEMM (CublasLt::gemm_fp8) against the host product of the decoded operands with
-// their dequantization factors, for e4m3 x e4m3 and e4m3 x e5m2, bf16 and accumulated fp32 outputs.
+// their dequantization factors, for e4m3 x e4m3 and e4m3 x e5m2, bf16 and accumulated fp32 outputs. The
+// device's delayed scaling against the host's.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/common/cuda_check.cuh"
@@ -91,6 +93,53 @@ TEST(GpuFp8, AmaxIsNanWhenTheTensorHoldsANan) {
   x[1234] = __float2bfloat16(std::nanf(""));
   for (bool transposed : {false, true})
     EXPECT_TRUE(std::isnan(run(x, 64, 64, transposed, 1.0f, Fp8Format::E4M3).amax)) << transposed;
+}
+
+// Delayed scaling on the device, three tensors over six steps, against the host's Fp8DelayedScale: the
+// same scales bit for bit; a NaN amax of tensor 1 at step 3 leaves its scale and names it in *bad.
+TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
+  SKIP_WITHOUT_GPU();
+  const int count = 3, history = 4, margin = 1, steps = 6;
+  const float amax[steps][count] = {{2.0f, 0.5f, 0.0f}, {8.0f, 0.25f, 0.0f}, {1.0f, 3.0f, 7.0f},
+                                    {0.5f, NAN, 1.0f},  {0.1f, 0.1f, 0.1f},  {0.2f, 0.3f, 0.4f}};
+  std::vector<coda::Fp8DelayedScale> host(count, coda::Fp8DelayedScale(Fp8Format::E4M3, history, margin));
+  float *scale = nullptr, *dequant = nullptr, *ring = nullptr, *damax = nullptr;
+  unsigned int* bad = nullptr;
+  CUDA_CHECK(cudaMalloc(&scale, count * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&dequant, count * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&ring, count * history * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&damax, count * sizeof(float)));
+  CUDA_CHECK(cudaMalloc(&bad, sizeof(unsigned int)));
+  const std::vector<float> ones(count, 1.0f);
+  CUDA_CHECK(cudaMemcpy(scale, ones.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dequant, ones.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(ring, 0, count * history * sizeof(float)));
+  for (int step = 0; step < steps; ++step) {
+    CUDA_CHECK(cudaMemset(bad, 0, sizeof(unsigned int)));
+    CUDA_CHECK(cudaMemcpy(damax, amax[step], count * sizeof(float), cudaMemcpyHostToDevice));
+    coda::unfused::fp8_update_scales(scale, dequant, ring, damax, count, history, step, margin, Fp8Format::E4M3, bad,
+                                     nullptr);
+    float got[count], got_dequant[count];
+    unsigned int flagged = 0;
+    CUDA_CHECK(cudaMemcpy(got, scale, sizeof(got), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(got_dequant, dequant, sizeof(got_dequant), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&flagged, bad, sizeof(flagged), cudaMemcpyDeviceToHost));
+    unsigned int expected_flag = 0;
+    for (int t = 0; t < count; ++t) {
+      try {
+        host[t].record(amax[step][t], step, "tensor " + std::to_string(t));
+        host[t].update();
+      } catch (const std::runtime_error&) {
+        if (expected_flag == 0) expected_flag = t + 1;
+      }
+      EXPECT_EQ(got[t], host[t].scale()) << "step " << step << " tensor " << t;
+      EXPECT_EQ(got_dequant[t], 1.0f / host[t].scale()) << "step " << step << " tensor " << t;
+    }
+    EXPECT_EQ(flagged, expected_flag) << "step " << step;
+  }
+  for (void* p : {static_cast<void*>(scale), static_cast<void*>(dequant), static_cast<void*>(ring),
+                  static_cast<void*>(damax), static_cast<void*>(bad)})
+    CUDA_CHECK(cudaFree(p));
 }
 
 TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
