@@ -70,7 +70,9 @@ void Fp8DelayedScale::record(float amax, int step, const std::string& what) {
   if (!std::isfinite(amax) || amax < 0.0f)
     throw std::runtime_error("fp8: " + what + " has amax " + std::to_string(amax) + " at step " +
                              std::to_string(step) + " (an overflow or NaN upstream; the scale is kept)");
-  history_[static_cast<size_t>(step) % history_.size()] = amax;
+  float& slot = history_[static_cast<size_t>(step) % history_.size()];
+  slot = step == recorded_step_ ? std::max(slot, amax) : amax;
+  recorded_step_ = step;
 }
 
 void Fp8DelayedScale::update() {

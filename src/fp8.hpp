@@ -28,9 +28,10 @@ class Fp8DelayedScale {
   // history >= 1 steps of amax; margin: powers of two of headroom below the largest finite value.
   Fp8DelayedScale(Fp8Format format, int history, int margin = 0);
 
-  // Records the largest |x| of step `step`'s tensor (the history keeps the last `history` steps; a step
-  // not recorded leaves its slot as it was); a non-finite amax is refused (std::runtime_error naming
-  // `what` and the step), so an overflow never reaches the scale or the weights.
+  // Records the largest |x| of a tensor quantized in step `step`: the step's amax is the max over its
+  // records (the micro-batches of gradient accumulation), and the history keeps the last `history` steps
+  // (a step without a record leaves its slot as it was). A non-finite amax is refused (std::runtime_error
+  // naming `what` and the step), so an overflow never reaches the scale or the weights.
   void record(float amax, int step, const std::string& what);
   // The scale for the next step, from the history (1 while nothing non-zero was seen).
   void update();
@@ -41,6 +42,7 @@ class Fp8DelayedScale {
   Fp8Format format_;
   int margin_;
   std::vector<float> history_;  // the amax of step s at s % history: the last `history` steps
+  int recorded_step_ = -1;      // the step of the latest record
   float scale_ = 1.0f;
 };
 

@@ -111,12 +111,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    update_scales_kernel(float* scale, float* dequant, float* history, const float* amax, int count, int history_len,
+    update_scales_kernel(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
                          int step, int margin, float largest, unsigned int* bad) {
   start_after_previous_kernel();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= count) return;
   const float a = amax[t];
+  amax[t] = 0.0f;
   if (!(a >= 0.0f) || isinf(a)) {
     atomicCAS(bad, 0u, static_cast<unsigned int>(t + 1));
     return;
@@ -140,7 +141,6 @@ void require(bool ok, const std::string& what) {
 void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float* scale, Fp8Format format,
                   cudaStream_t stream) {
   require(n % 8 == 0, "quantize_fp8: size " + std::to_string(n) + " must be a multiple of 8");
-  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (n == 0) return;
   const profile::Region region("quantize_fp8", profile::Work::Epilogue, stream);
   const size_t packets = n / 8;
@@ -157,7 +157,6 @@ void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, 
   require(rows % 8 == 0 && cols % 8 == 0 && rows >= 0 && cols >= 0,
           "quantize_fp8_transposed: rows " + std::to_string(rows) + " and cols " + std::to_string(cols) +
               " must be multiples of 8");
-  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   if (rows == 0 || cols == 0) return;
   const profile::Region region("quantize_fp8_transposed", profile::Work::Epilogue, stream);
   const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile);
@@ -170,7 +169,7 @@ void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, 
                   cols, scale);
 }
 
-void fp8_update_scales(float* scale, float* dequant, float* history, const float* amax, int count, int history_len,
+void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
                        int step, int margin, Fp8Format format, unsigned int* bad, cudaStream_t stream) {
   require(count >= 0 && history_len >= 1 && step >= 0 && margin >= 0,
           "fp8_update_scales: count " + std::to_string(count) + ", history " + std::to_string(history_len) +

@@ -39,10 +39,11 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
 
 // ---- FP8 quantization (fp8.cu) ---------------------------------------------------------------------------
 // q = fp8(x * scale) with the format's satfinite conversion (round to nearest even, saturating; the host
-// specification is src/fp8.hpp), scale read from the device, and *amax = max |x| over the tensor (NaN when x
-// holds a NaN), zeroed and written by the call: the amax of delayed scaling is the max of the tensor the
-// step quantizes, found in the same pass. An integer atomic max on the bits of non-negative floats, so the
-// result does not depend on the blocks' order. n a multiple of 8.
+// specification is src/fp8.hpp), scale read from the device, and *amax = max(*amax, max |x|) (NaN once x
+// holds a NaN): the amax of delayed scaling, found in the same pass and gathered over every quantize call
+// of the step (the micro-batches of gradient accumulation) until fp8_update_scales takes it and zeroes it.
+// An integer atomic max on the bits of non-negative floats, so the result does not depend on the blocks'
+// order. n a multiple of 8.
 void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float* scale, Fp8Format format,
                   cudaStream_t stream);
 // The same for x [rows, cols] (row-major), stored transposed: qt [cols, rows], the K-major copy an FP8
@@ -51,12 +52,13 @@ void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, 
                              Fp8Format format, cudaStream_t stream);
 
 // Delayed scaling of `count` tensors in one launch (Fp8DelayedScale of src/fp8.hpp is the host
-// specification): each tensor's amax of this step (amax[t], written by its quantize call) goes into its
-// history ring (history[t * history_len + step % history_len]), and scale[t] = largest / (max of the history
-// * 2^margin), dequant[t] = 1 / scale[t], for the next step; a history of zeros keeps the scale. A
+// specification): each tensor's amax of this step (amax[t], gathered by its quantize calls; zeroed here for
+// the next step) goes into its history ring (history[t * history_len + step % history_len]), and scale[t] =
+// largest / (max of the history * 2^margin), dequant[t] = 1 / scale[t], for the next step; a history of
+// zeros keeps the scale. A
 // non-finite amax keeps the tensor's scale and history and sets *bad to t + 1 (the first such tensor), which
 // the host reads with the step's loss: no inf or NaN reaches a scale, and the report names the tensor.
-void fp8_update_scales(float* scale, float* dequant, float* history, const float* amax, int count, int history_len,
+void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
                        int step, int margin, Fp8Format format, unsigned int* bad, cudaStream_t stream);
 
 // ---- embedding (embedding.cu) --------------------------------------------------------------------------

@@ -101,6 +101,17 @@ TEST(Fp8, DelayedScaleFollowsTheAmaxHistoryAndRefusesOverflow) {
     // This step's tensor, quantized with its own scale, stays inside the format.
     EXPECT_LE(amaxes[step] * scale.scale(), coda::fp8_largest(Fp8Format::E4M3));
   }
+  // Several records of one step (gradient accumulation's micro-batches): the step's amax is their max.
+  coda::Fp8DelayedScale accumulated(Fp8Format::E5M2, 2);
+  for (float amax : {1.0f, 4.0f, 2.0f}) accumulated.record(amax, 0, "dy");
+  accumulated.update();
+  EXPECT_EQ(accumulated.scale(), 57344.0f / 4.0f);
+  accumulated.record(0.5f, 1, "dy");  // a new step starts its slot afresh; the history still holds step 0
+  accumulated.update();
+  EXPECT_EQ(accumulated.scale(), 57344.0f / 4.0f);
+  accumulated.record(0.5f, 2, "dy");  // step 0 has left the two-step history
+  accumulated.update();
+  EXPECT_EQ(accumulated.scale(), 57344.0f / 0.5f);
   for (float bad : {INFINITY, std::nanf(""), -1.0f}) {
     try {
       scale.record(bad, 7, "h.3.mlp_down dgrad");

@@ -41,7 +41,9 @@ std::vector<bf16> random_bf16(size_t n, uint64_t seed) {
   return x;
 }
 
-Quantized run(const std::vector<bf16>& x, int rows, int cols, bool transposed, float scale, Fp8Format format) {
+// One quantize call onto an amax that holds start_amax (what earlier calls of the step left).
+Quantized run(const std::vector<bf16>& x, int rows, int cols, bool transposed, float scale, Fp8Format format,
+              float start_amax = 0.0f) {
   bf16* dx = nullptr;
   uint8_t* dq = nullptr;
   float *damax = nullptr, *dscale = nullptr;
@@ -51,6 +53,7 @@ Quantized run(const std::vector<bf16>& x, int rows, int cols, bool transposed, f
   CUDA_CHECK(cudaMalloc(&dscale, sizeof(float)));
   CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(bf16), cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(dscale, &scale, sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(damax, &start_amax, sizeof(float), cudaMemcpyHostToDevice));
   if (transposed)
     coda::unfused::quantize_fp8_transposed(dq, damax, dx, rows, cols, dscale, format, nullptr);
   else
@@ -83,6 +86,8 @@ TEST(GpuFp8, QuantizeFlatAndTransposedEqualTheHostCodec) {
           mismatches += got != expected;
         }
       EXPECT_EQ(mismatches, 0u) << coda::fp8_format_name(format) << (transposed ? " transposed" : "");
+      // The amax gathers over the step's calls: a larger one already there stays.
+      EXPECT_EQ(run(x, rows, cols, transposed, scale, format, 3.0f * amax).amax, 3.0f * amax);
     }
   }
 }
@@ -119,8 +124,9 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
     CUDA_CHECK(cudaMemcpy(damax, amax[step], count * sizeof(float), cudaMemcpyHostToDevice));
     coda::unfused::fp8_update_scales(scale, dequant, ring, damax, count, history, step, margin, Fp8Format::E4M3, bad,
                                      nullptr);
-    float got[count], got_dequant[count];
+    float got[count], got_dequant[count], left[count];
     unsigned int flagged = 0;
+    CUDA_CHECK(cudaMemcpy(left, damax, sizeof(left), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(got, scale, sizeof(got), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(got_dequant, dequant, sizeof(got_dequant), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(&flagged, bad, sizeof(flagged), cudaMemcpyDeviceToHost));
@@ -134,6 +140,7 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
       }
       EXPECT_EQ(got[t], host[t].scale()) << "step " << step << " tensor " << t;
       EXPECT_EQ(got_dequant[t], 1.0f / host[t].scale()) << "step " << step << " tensor " << t;
+      EXPECT_EQ(left[t], 0.0f) << "the update zeroes the amax for the next step's quantize calls";
     }
     EXPECT_EQ(flagged, expected_flag) << "step " << step;
   }
