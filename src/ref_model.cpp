@@ -84,6 +84,54 @@ static void norm_backward(const ModelConfig& c, float* dx, float* dw, float* db,
     rmsnorm_backward(dx, dw, dy, x, w, rstd, N, c.d_model);
 }
 
+void RefModel::enable_fp8(int history, int margin) {
+  fp8_.clear();
+  for (int i = 0; i < 4 * config.n_layer; ++i)
+    fp8_.push_back({Fp8DelayedScale(Fp8Format::E4M3, history, margin), Fp8DelayedScale(Fp8Format::E4M3, history, margin),
+                    Fp8DelayedScale(Fp8Format::E5M2, history, margin)});
+  fp8_step_ = 0;
+}
+
+void RefModel::fp8_end_step() {
+  for (Fp8Linear& linear : fp8_) {
+    linear.x.update();
+    linear.w.update();
+    linear.dy.update();
+  }
+  ++fp8_step_;
+}
+
+std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8DelayedScale& scale, Fp8Format format,
+                                      const char* what) {
+  float amax = 0.0f;
+  for (size_t i = 0; i < n; ++i) amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
+  scale.record(amax, fp8_step_, what);
+  const float s = scale.scale();
+  std::vector<float> copy(n);
+  for (size_t i = 0; i < n; ++i) copy[i] = fp8_decode(fp8_encode(x[i] * s, format), format) / s;
+  return copy;
+}
+
+void RefModel::linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC,
+                              int OC) {
+  if (fp8_.empty()) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
+  Fp8Linear& q = fp8_[4 * layer + linear];
+  const std::vector<float> xq = fp8_copy(x, static_cast<size_t>(N) * IC, q.x, Fp8Format::E4M3, "linear input");
+  const std::vector<float> wq = fp8_copy(param(w), static_cast<size_t>(OC) * IC, q.w, Fp8Format::E4M3, "weight");
+  matmul_forward(y, xq.data(), wq.data(), param(b), N, IC, OC);
+}
+
+void RefModel::linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b,
+                               int N, int IC, int OC) {
+  if (fp8_.empty()) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
+  Fp8Linear& q = fp8_[4 * layer + linear];
+  const std::vector<float> xq = fp8_copy(x, static_cast<size_t>(N) * IC, q.x, Fp8Format::E4M3, "linear input");
+  const std::vector<float> wq = fp8_copy(param(w), static_cast<size_t>(OC) * IC, q.w, Fp8Format::E4M3, "weight");
+  const std::vector<float> dyq = fp8_copy(dy, static_cast<size_t>(N) * OC, q.dy, Fp8Format::E5M2, "output gradient");
+  matmul_backward(dx, grad(w), nullptr, dyq.data(), xq.data(), wq.data(), N, IC, OC);
+  if (b != kAbsent) matmul_backward(nullptr, nullptr, grad(b), dy, x, param(w), N, IC, OC);
+}
+
 float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
   if (B < 1 || B > max_batch_ || T < 1 || T > max_seq_len_)
     throw std::invalid_argument("RefModel::forward: shape B=" + std::to_string(B) + " T=" + std::to_string(T) +
@@ -107,21 +155,21 @@ float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, in
     RefLayerActivations& a = acts.layers[l];
     norm_forward(config, a.norm1.data(), a.norm1_mean.data(), a.norm1_rstd.data(), a.residual_in.data(),
                  param(p.norm1_w), param(p.norm1_b), N);
-    matmul_forward(a.qkv.data(), a.norm1.data(), param(p.qkv_w), param(p.qkv_b), N, C, config.qkv_dim());
+    linear_forward(l, 0, a.qkv.data(), a.norm1.data(), p.qkv_w, p.qkv_b, N, C, config.qkv_dim());
     if (config.rope()) rope_forward(a.qkv.data(), B, T, NH, NKV, hd, config.rope_theta);
     attention_forward(a.attn_out.data(), a.lse.data(), a.qkv.data(), B, T, NH, NKV, hd);
-    matmul_forward(a.residual_mid.data(), a.attn_out.data(), param(p.attn_proj_w), param(p.attn_proj_b), N, C, C);
+    linear_forward(l, 1, a.residual_mid.data(), a.attn_out.data(), p.attn_proj_w, p.attn_proj_b, N, C, C);
     for (size_t i = 0; i < static_cast<size_t>(N) * C; ++i) a.residual_mid[i] += a.residual_in[i];
 
     norm_forward(config, a.norm2.data(), a.norm2_mean.data(), a.norm2_rstd.data(), a.residual_mid.data(),
                  param(p.norm2_w), param(p.norm2_b), N);
-    matmul_forward(a.mlp_pre.data(), a.norm2.data(), param(p.mlp_up_w), param(p.mlp_up_b), N, C, up_rows);
+    linear_forward(l, 2, a.mlp_pre.data(), a.norm2.data(), p.mlp_up_w, p.mlp_up_b, N, C, up_rows);
     if (config.mlp == Mlp::Gelu)
       gelu_forward(a.mlp_act.data(), a.mlp_pre.data(), static_cast<size_t>(N) * F);
     else
       swiglu_forward(a.mlp_act.data(), a.mlp_pre.data(), N, F);
     float* residual_out = l + 1 < config.n_layer ? acts.layers[l + 1].residual_in.data() : acts.residual_final.data();
-    matmul_forward(residual_out, a.mlp_act.data(), param(p.mlp_down_w), param(p.mlp_down_b), N, F, C);
+    linear_forward(l, 3, residual_out, a.mlp_act.data(), p.mlp_down_w, p.mlp_down_b, N, F, C);
     for (size_t i = 0; i < static_cast<size_t>(N) * C; ++i) residual_out[i] += a.residual_mid[i];
   }
   norm_forward(config, acts.normf.data(), acts.normf_mean.data(), acts.normf_rstd.data(), acts.residual_final.data(),
@@ -156,29 +204,27 @@ void RefModel::backward(float grad_scale) {
     const RefLayerActivations& a = acts.layers[l];
     // MLP block: d_residual is the gradient of its output, and passes through to residual_mid.
     zero(d_mlp_act_, F);
-    matmul_backward(d_mlp_act_.data(), grad(p.mlp_down_w), grad(p.mlp_down_b), d_residual_.data(), a.mlp_act.data(),
-                    param(p.mlp_down_w), N, F, C);
+    linear_backward(l, 3, d_mlp_act_.data(), d_residual_.data(), a.mlp_act.data(), p.mlp_down_w, p.mlp_down_b, N, F,
+                    C);
     zero(d_mlp_pre_, up_rows);
     if (config.mlp == Mlp::Gelu)
       gelu_backward(d_mlp_pre_.data(), d_mlp_act_.data(), a.mlp_pre.data(), static_cast<size_t>(N) * F);
     else
       swiglu_backward(d_mlp_pre_.data(), d_mlp_act_.data(), a.mlp_pre.data(), N, F);
     zero(d_norm_, C);
-    matmul_backward(d_norm_.data(), grad(p.mlp_up_w), grad(p.mlp_up_b), d_mlp_pre_.data(), a.norm2.data(),
-                    param(p.mlp_up_w), N, C, up_rows);
+    linear_backward(l, 2, d_norm_.data(), d_mlp_pre_.data(), a.norm2.data(), p.mlp_up_w, p.mlp_up_b, N, C, up_rows);
     norm_backward(config, d_residual_.data(), grad(p.norm2_w), grad(p.norm2_b), d_norm_.data(), a.residual_mid.data(),
                   param(p.norm2_w), a.norm2_mean.data(), a.norm2_rstd.data(), N);
     // Attention block: d_residual is now the gradient of residual_mid.
     zero(d_attn_out_, C);
-    matmul_backward(d_attn_out_.data(), grad(p.attn_proj_w), grad(p.attn_proj_b), d_residual_.data(), a.attn_out.data(),
-                    param(p.attn_proj_w), N, C, C);
+    linear_backward(l, 1, d_attn_out_.data(), d_residual_.data(), a.attn_out.data(), p.attn_proj_w, p.attn_proj_b, N,
+                    C, C);
     zero(d_qkv_, config.qkv_dim());
     attention_backward(d_qkv_.data(), d_attn_out_.data(), a.qkv.data(), a.attn_out.data(), a.lse.data(), B, T, NH, NKV,
                        hd);
     if (config.rope()) rope_backward(d_qkv_.data(), B, T, NH, NKV, hd, config.rope_theta);
     zero(d_norm_, C);
-    matmul_backward(d_norm_.data(), grad(p.qkv_w), grad(p.qkv_b), d_qkv_.data(), a.norm1.data(), param(p.qkv_w), N, C,
-                    config.qkv_dim());
+    linear_backward(l, 0, d_norm_.data(), d_qkv_.data(), a.norm1.data(), p.qkv_w, p.qkv_b, N, C, config.qkv_dim());
     norm_backward(config, d_residual_.data(), grad(p.norm1_w), grad(p.norm1_b), d_norm_.data(), a.residual_in.data(),
                   param(p.norm1_w), a.norm1_mean.data(), a.norm1_rstd.data(), N);
   }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "fp8.hpp"
 #include "model.hpp"
 
 namespace coda::ref {
@@ -60,6 +61,16 @@ class RefModel {
   // Adds d(grad_scale * mean_loss)/d(params) into grads, for the last forward (which had targets).
   void backward(float grad_scale);
 
+  // FP8 training, emulated: the specification of an FP8 mode. Each block linear (qkv, attention output,
+  // MLP up and down) runs its forward on e4m3 copies of its input and weight, and its dgrad and wgrad on an
+  // e5m2 copy of its output gradient with those e4m3 copies (bias gradients from the unquantized one);
+  // a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling (fp8.hpp): the scale from
+  // the amax history of the steps before, this step's amax recorded. The LM head, norms, attention and
+  // loss stay fp32. fp8_end_step() closes an optimizer step (after its micro-batches): every scale is
+  // updated from the history for the next one.
+  void enable_fp8(int history, int margin);
+  void fp8_end_step();
+
   const ModelConfig config;
   const ParamLayout layout;
   std::vector<float> params;  // flat, layout order, layout.total elements
@@ -70,6 +81,19 @@ class RefModel {
   const float* param(size_t offset) const { return offset == kAbsent ? nullptr : params.data() + offset; }
   float* grad(size_t offset) { return offset == kAbsent ? nullptr : grads.data() + offset; }
 
+  // The block linears, in the fp32 or the emulated FP8 form (linear = 0 qkv, 1 attention output, 2 MLP up,
+  // 3 MLP down): y = x W^T + b, and dx += dy W, dW += dy^T x, db += colsum(dy).
+  void linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC, int OC);
+  void linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b, int N,
+                       int IC, int OC);
+  // x times its scale through the format and back; records max |x| for the step.
+  std::vector<float> fp8_copy(const float* x, size_t n, Fp8DelayedScale& scale, Fp8Format format, const char* what);
+
+  struct Fp8Linear {  // the delayed scales of one linear's input, weight and output gradient
+    Fp8DelayedScale x, w, dy;
+  };
+  std::vector<Fp8Linear> fp8_;  // [n_layer * 4] when FP8 is on, empty otherwise
+  int fp8_step_ = 0;
   int max_batch_, max_seq_len_;
   int B_ = 0, T_ = 0;
   bool have_targets_ = false;

@@ -358,3 +358,40 @@ TEST(CpuBackend, AdamWStepsLowerTheLossOnAFixedBatch) {
 }
 
 }  // namespace
+
+// FP8 emulation (RefModel::enable_fp8), the specification of an FP8 training mode: every architecture
+// trained 15 AdamW steps on one fixed batch in fp32 and in emulated FP8 (delayed scaling, history 16,
+// margin 0) from the same weights. The quantization is really there (the first losses differ, as the
+// scales start at 1 and the weights lose bits), and the FP8 run ends within 0.5% of the fp32 loss, both
+// well below where they started (2026-12-04: 3.169 / 3.169 gpt2, 3.169 / 3.171 llama, 3.242 / 3.244 qwen2
+// from about 4.6).
+TEST(RefModel, Fp8EmulationTracksFp32Training) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
+    const int B = 2, T = 7;
+    Rng rng(31);
+    const Batch batch = random_batch(B, T, config.vocab_size, rng);
+    std::vector<float> last(2), first(2);
+    for (int fp8 = 0; fp8 < 2; ++fp8) {
+      ref::RefModel model(config, B, T);
+      model.init(31);
+      if (fp8) model.enable_fp8(16, 0);
+      std::vector<float> m(model.layout.total, 0.0f), v(model.layout.total, 0.0f);
+      coda::AdamWHyper hyper;
+      hyper.lr = 2e-3f;
+      for (int step = 1; step <= 15; ++step) {
+        model.zero_grad();
+        const float loss = model.forward(batch.tokens.data(), batch.targets.data(), B, T);
+        model.backward(1.0f);
+        coda::adamw_update(model.layout, model.params.data(), model.grads.data(), m.data(), v.data(), hyper, step,
+                           1.0f);
+        if (fp8) model.fp8_end_step();
+        if (step == 1) first[fp8] = loss;
+        last[fp8] = loss;
+      }
+    }
+    const std::string name = arch_name(config.arch);
+    EXPECT_NE(first[0], first[1]) << name << ": the FP8 forward differs from the fp32 one";
+    EXPECT_LT(last[0], first[0] - 1.0f) << name;
+    EXPECT_NEAR(last[1], last[0], 0.005 * last[0]) << name;
+  }
+}
