@@ -60,7 +60,6 @@ class DeviceState {
   // Plans the state's buffers and then the runner's (plan_more), checks the plan against the free device
   // memory (throws with the numbers), logs it under `mode`, allocates and zeroes the arena.
   void allocate(const std::string& mode, const std::function<void(ArenaPlan&)>& plan_more);
-  bool allocated() const { return arena_ != nullptr; }
 
   const ModelConfig& config() const { return config_; }
   const ParamLayout& layout() const { return layout_; }
