@@ -71,19 +71,18 @@ class Backend {
   }
 };
 
-// A model that a mode's kernels do not cover (the coda programs of its norm family lack one of its features
-// or its head size); kernels = auto then runs the unfused mode, which covers every model.
-struct UnsupportedByMode : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
+// Why the coda programs of the model's norm family do not cover it (a feature they lack, its head size),
+// or "" when they do (coda_runner.cu). The unfused mode covers every model.
+std::string coda_unsupported_reason(const ModelConfig& config);
 
 // The fp32 CPU reference backend (ref_model.hpp).
 std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len);
 
 // The CUDA backend (cuda_backend.hpp) on the current device, kernels = "unfused" (cuBLASLt GEMMs plus one
-// kernel per operation, any model) or "coda" (GEMM-epilogue programs, coda_runner.hpp, for the model's
-// norm family). Throws std::invalid_argument for an unknown kernels mode, UnsupportedByMode for a model the
-// coda programs do not cover, and std::runtime_error, with the numbers, when the model and batch do not fit in the free
+// kernel per operation, any model), "coda" (GEMM-epilogue programs, coda_runner.hpp, for the model's norm
+// family) or "auto" (coda where coda_unsupported_reason is empty, else unfused with a warning that gives
+// the reason). Throws std::invalid_argument for an unknown kernels mode or kernels = coda on a model it does
+// not cover, and std::runtime_error, with the numbers, when the model and batch do not fit in the free
 // device memory.
 // zero1: ZeRO-1 over zero1's ranks (docs/DISTRIBUTED.md). Each rank keeps the fp32 master weights and
 // AdamW moments of its shard only; the interface stays the same, with full flat arrays in and out, but

@@ -49,17 +49,7 @@ class CodaRmsNormRunner : public CodaRunner {
   float* dbias_partials_ = nullptr;    // QKV bias: the write-out's column partials [groups, qkv_dim]
 };
 
-CodaRmsNormRunner::CodaRmsNormRunner(DeviceState& state) : CodaRunner(state) {
-  const std::string family = "RMSNorm";
-  require_feature(config_.mlp == Mlp::SwiGLU, family, "SwiGLU");
-  require_feature(config_.rope(), family, "RoPE positions");
-  require_feature(!config_.proj_bias && !config_.mlp_bias, family,
-                  "no bias on the output and MLP projections (a QKV bias is one of its programs)");
-  const int hd = config_.head_dim();
-  if (hd != 64 && hd != 128)
-    throw UnsupportedByMode("kernels coda: the RoPE epilogue is built for head_dim 64 and 128 (the attention "
-                                "kernels' head sizes), got " + std::to_string(hd) + " (d_model / n_head)");
-}
+CodaRmsNormRunner::CodaRmsNormRunner(DeviceState& state) : CodaRunner(state) {}
 
 void CodaRmsNormRunner::plan_buffers(ArenaPlan& plan) {
   CodaRunner::plan_buffers(plan);

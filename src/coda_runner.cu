@@ -8,14 +8,32 @@
 
 namespace coda {
 
-CodaRunner::CodaRunner(DeviceState& state)
-    : StepRunner(state), norm1_stats_(config_.n_layer), norm2_stats_(config_.n_layer) {}
+std::string coda_unsupported_reason(const ModelConfig& c) {
+  const bool layer_norm = c.norm == Norm::Layer;
+  const std::string family = layer_norm ? "LayerNorm" : "RMSNorm";
+  auto gap = [&](const std::string& feature) {
+    return "kernels coda: the " + family + " family's programs are built for " + feature + ", which this " +
+           arch_name(c.arch) + " model does not match; run it with kernels = unfused";
+  };
+  if (layer_norm) {
+    if (c.mlp != Mlp::Gelu) return gap("GELU");
+    if (c.positions != Positions::Learned) return gap("learned positions");
+    if (!(c.qkv_bias && c.proj_bias && c.mlp_bias)) return gap("a bias on every projection");
+    return "";
+  }
+  if (c.mlp != Mlp::SwiGLU) return gap("SwiGLU");
+  if (!c.rope()) return gap("RoPE positions");
+  if (c.proj_bias || c.mlp_bias) return gap("no bias on the output and MLP projections (a QKV bias is one of its programs)");
+  if (c.head_dim() != 64 && c.head_dim() != 128)
+    return gap("head_dim 64 or 128 (the RoPE epilogue's and the attention kernels' head sizes), not " +
+               std::to_string(c.head_dim()));
+  return "";
+}
 
-void CodaRunner::require_feature(bool ok, const std::string& family, const std::string& feature) const {
-  if (!ok)
-    throw UnsupportedByMode("kernels coda: the " + family + " family's programs are built for " + feature +
-                                ", which this " + arch_name(config_.arch) +
-                                " model does not match; run it with kernels = unfused");
+CodaRunner::CodaRunner(DeviceState& state)
+    : StepRunner(state), norm1_stats_(config_.n_layer), norm2_stats_(config_.n_layer) {
+  const std::string reason = coda_unsupported_reason(config_);
+  if (!reason.empty()) throw std::invalid_argument(reason);
 }
 
 void CodaRunner::plan_buffers(ArenaPlan& plan) {

@@ -28,6 +28,7 @@ namespace coda {
 
 class CodaRunner : public StepRunner {
  public:
+  // Throws std::invalid_argument with coda_unsupported_reason (backend.hpp) for a model it does not cover.
   explicit CodaRunner(DeviceState& state);
   std::string mode() const override { return "coda"; }
   void embedding_forward(int B, int T) override;  // h, O1 and the statistics of layer 0's first norm
@@ -54,9 +55,6 @@ class CodaRunner : public StepRunner {
     int count = 0;
   };
 
-  // Throws UnsupportedByMode (backend.hpp) naming `feature` when ok is false: the family's programs are
-  // built for that feature and the model does not have it; the unfused mode runs every model.
-  void require_feature(bool ok, const std::string& family, const std::string& feature) const;
   // The activations, statistics, loss partials and gradient buffers both families use; a family's
   // plan_buffers calls this first, then adds its own.
   void plan_buffers(ArenaPlan& plan) override;

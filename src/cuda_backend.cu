@@ -3,6 +3,8 @@
 // forward pass; the only synchronisation of a step is reading back the per-row losses at its end.
 #include "cuda_backend.hpp"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -185,13 +187,19 @@ PhaseTimes CudaBackend::last_phase_times() {
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
                                            int max_seq_len, Communicator* zero1) {
   std::unique_ptr<StepRunner> (*make_runner)(DeviceState&) = nullptr;
-  if (kernels == "unfused")
+  std::string mode = kernels;
+  if (kernels == "auto") {
+    const std::string reason = coda_unsupported_reason(config);
+    if (!reason.empty()) spdlog::warn("kernels auto: {}; running the unfused mode", reason);
+    mode = reason.empty() ? "coda" : "unfused";
+  }
+  if (mode == "unfused")
     make_runner = make_unfused_runner;
-  else if (kernels == "coda")
+  else if (mode == "coda")
     make_runner = config.norm == Norm::Layer ? make_coda_layernorm_runner : make_coda_rmsnorm_runner;
   else
     throw std::invalid_argument("kernels: unknown mode \"" + kernels +
-                                "\" for the cuda backend (this build has: unfused, coda)");
+                                "\" for the cuda backend (this build has: auto, unfused, coda)");
   return std::make_unique<CudaBackend>(config, max_batch, max_seq_len, zero1, make_runner);
 }
 

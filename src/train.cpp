@@ -69,16 +69,8 @@ void require_device_available(const RunConfig& config) {
 
 std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1) {
   require_device_available(config);
-  if (use_cuda(config.device)) {
-    if (config.kernels != "auto")
-      return make_cuda_backend(config.model, config.kernels, config.batch_size, config.seq_len, zero1);
-    try {
-      return make_cuda_backend(config.model, "coda", config.batch_size, config.seq_len, zero1);
-    } catch (const UnsupportedByMode& e) {
-      spdlog::warn("kernels auto: {}; running the unfused mode", e.what());
-      return make_cuda_backend(config.model, "unfused", config.batch_size, config.seq_len, zero1);
-    }
-  }
+  if (use_cuda(config.device))
+    return make_cuda_backend(config.model, config.kernels, config.batch_size, config.seq_len, zero1);
   if (zero1 != nullptr) throw std::logic_error("make_backend: ZeRO-1 on the cpu backend (checked earlier)");
   return make_cpu_backend(config.model, config.batch_size, config.seq_len);
 }

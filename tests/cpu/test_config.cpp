@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <vector>
 
+#include "backend.hpp"
 #include "config.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "model.hpp"
@@ -198,6 +199,20 @@ TEST(Config, KeysAtTheTopLevelAreAccepted) {
   const coda::RunConfig c = coda::parse_config_text("n_layer = 4\nlr = 0.25\n", "top");
   EXPECT_EQ(c.model.n_layer, 4);
   EXPECT_EQ(c.lr, 0.25f);
+}
+
+// The coda programs cover every shipped config; a head size or a feature they lack is named (kernels =
+// auto then runs the unfused mode, kernels = coda refuses).
+TEST(Config, CodaCoverageNamesWhatItLacks) {
+  for (const auto& entry : fs::directory_iterator(fs::path(CODA_SOURCE_DIR) / "configs"))
+    EXPECT_EQ(coda::coda_unsupported_reason(coda::resolve_config(key_factory(), entry.path().string(), {}).model), "")
+        << entry.path();
+  coda::ModelConfig small_heads = coda::model_config(coda::Arch::Llama);
+  small_heads.d_model = 64, small_heads.n_head = 2, small_heads.n_kv_head = 2;  // head_dim 32
+  EXPECT_NE(coda::coda_unsupported_reason(small_heads).find("head_dim"), std::string::npos);
+  coda::ModelConfig no_bias = coda::model_config(coda::Arch::GPT2);
+  no_bias.proj_bias = false;
+  EXPECT_NE(coda::coda_unsupported_reason(no_bias).find("a bias on every projection"), std::string::npos);
 }
 
 // Every shipped config resolves, and `arch` alone picks the model's features (the architectures' files,
