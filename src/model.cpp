@@ -107,16 +107,12 @@ void init_params(const ModelConfig& c, const ParamLayout& layout, uint64_t seed,
     const auto& tensor = layout.tensors[t];
     float* p = params + tensor.offset;
     const std::string& name = tensor.name;
-    auto ends_with = [&](const char* suffix) {
-      const std::string s(suffix);
-      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-    };
-    if (ends_with("_b")) continue;  // biases start at zero
-    if (ends_with("norm1_w") || ends_with("norm2_w") || name == "normf_w") {
+    if (ends_with(name, "_b")) continue;  // biases start at zero
+    if (ends_with(name, "norm1_w") || ends_with(name, "norm2_w") || name == "normf_w") {
       for (size_t i = 0; i < tensor.numel; ++i) p[i] = 1.0f;
       continue;
     }
-    const float stddev = (ends_with("attn_proj_w") || ends_with("mlp_down_w")) ? residual_std : 0.02f;
+    const float stddev = (ends_with(name, "attn_proj_w") || ends_with(name, "mlp_down_w")) ? residual_std : 0.02f;
     // Embedding-shaped tensors: only the real vocabulary rows are drawn; padded rows stay zero.
     const size_t rows_drawn = (name == "wte" || name == "lm_head")
                                   ? static_cast<size_t>(c.vocab_size)
