@@ -149,6 +149,32 @@ struct Part {
   std::function<void(int)> run;
 };
 
+// The LM head's loss: targets spread over the real vocabulary V, the program's outputs (target logit, one
+// log-sum-exp partial per N tile of the M x N logits), and the chain's cross-entropy forward over the
+// unfused logits y [M, Vp].
+struct HeadLoss {
+  int32_t* targets = nullptr;
+  float* target_logit = nullptr;
+  epi::LogSumExp::Out* lse_partials = nullptr;
+  float* losses = nullptr;
+  float* lse = nullptr;
+  HeadLoss(Arena& arena, int M, int N, int V) {
+    std::vector<int32_t> host_targets(M);
+    for (int r = 0; r < M; ++r) host_targets[r] = static_cast<int32_t>((size_t(r) * 7919) % V);
+    targets = arena.alloc<int32_t>(M);
+    CUDA_CHECK(cudaMemcpy(targets, host_targets.data(), M * sizeof(int32_t), cudaMemcpyHostToDevice));
+    target_logit = arena.alloc<float>(M);
+    lse_partials = arena.alloc<epi::LogSumExp::Out>(size_t(M) * max_row_partials(N));
+    losses = arena.alloc<float>(M);
+    lse = arena.alloc<float>(M);
+  }
+  Part crossentropy(const bf16* y, int M, int V, int Vp) const {
+    return {"crossentropy_forward", [l = *this, y, M, V, Vp](int) {
+              unfused::crossentropy_forward(l.losses, l.lse, y, l.targets, M, V, Vp, nullptr);
+            }};
+  }
+};
+
 // Times CODA (the program run by `coda`), bare (the identity program on the program's tile, into
 // bare_out), the chain and each of its parts interleaved; prints one table row. A launch that throws (a
 // shape the GEMM refuses) is reported in the row and the next case still runs.
@@ -240,17 +266,9 @@ void ln_linear(Unfused& u, LnLinear kind) {
     report("gpt2 fc forward", g, program,
            [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   } else {
-    std::vector<int32_t> host_targets(M);
-    for (int r = 0; r < M; ++r) host_targets[r] = static_cast<int32_t>((size_t(r) * 7919) % V);
-    int32_t* targets = arena.alloc<int32_t>(M);
-    CUDA_CHECK(cudaMemcpy(targets, host_targets.data(), M * sizeof(int32_t), cudaMemcpyHostToDevice));
-    float* target_logit = arena.alloc<float>(M);
-    auto* lse_partials = arena.alloc<epi::LogSumExp::Out>(size_t(M) * max_row_partials(N));
-    float* losses = arena.alloc<float>(M);
-    float* lse = arena.alloc<float>(M);
-    chain.push_back({"crossentropy_forward",
-                     [&](int) { unfused::crossentropy_forward(losses, lse, y, targets, M, V, Vp, nullptr); }});
-    const auto program = lm_head_program(stats, c, b_prime, targets, target_logit, lse_partials, V);
+    const HeadLoss loss(arena, M, N, V);
+    chain.push_back(loss.crossentropy(y, M, V, Vp));
+    const auto program = lm_head_program(stats, c, b_prime, loss.targets, loss.target_logit, loss.lse_partials, V);
     report("gpt2 LM head", g, program,
            [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   }
@@ -411,18 +429,10 @@ void normed(Unfused& u, Normed kind) {
     report("llama gate/up + SwiGLU", g, program,
            [&](int i) { g.coda<GemmLayout::Forward>(act, false, program, i); }, bare_out, chain);
   } else {
-    std::vector<int32_t> host_targets(M);
-    for (int r = 0; r < M; ++r) host_targets[r] = static_cast<int32_t>((size_t(r) * 7919) % V);
-    int32_t* targets = arena.alloc<int32_t>(M);
-    CUDA_CHECK(cudaMemcpy(targets, host_targets.data(), M * sizeof(int32_t), cudaMemcpyHostToDevice));
-    float* target_logit = arena.alloc<float>(M);
-    auto* lse_partials = arena.alloc<epi::LogSumExp::Out>(size_t(M) * max_row_partials(N));
-    float* losses = arena.alloc<float>(M);
-    float* lse = arena.alloc<float>(M);
+    const HeadLoss loss(arena, M, N, V);
     bf16* out = arena.alloc<bf16>(size_t(M) * N);
-    chain.push_back({"crossentropy_forward",
-                     [&](int) { unfused::crossentropy_forward(losses, lse, y, targets, M, V, Vp, nullptr); }});
-    const auto program = lm_head_program(stats, targets, target_logit, lse_partials, V);
+    chain.push_back(loss.crossentropy(y, M, V, Vp));
+    const auto program = lm_head_program(stats, loss.targets, loss.target_logit, loss.lse_partials, V);
     report("llama LM head", g, program,
            [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
   }
