@@ -4,7 +4,8 @@
 // non-negative floats the bit order is the value order, and NaN's bits sort above infinity's).
 // Flat: one 16-byte packet of 8 bf16 in, 8 bytes out per thread and step, grid-stride over the tensor.
 // Transposed: a 64 x 64 tile per block through shared memory (fp32, a padded row of 65 so the column
-// reads do not all hit one bank), read as 16-byte row packets, written as 8-byte column packets of qt.
+// reads do not all hit one bank), read as 16-byte row packets, written as 8-byte column packets of qt, and
+// as row packets of q from the same read when both copies are wanted.
 // Delayed scaling: one thread per tensor, the same float operations as the host's Fp8DelayedScale.
 #include <cuda_fp8.h>
 
@@ -81,8 +82,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <__nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kThreads)
-    quantize_transposed_kernel(uint8_t* __restrict__ qt, unsigned int* amax_bits, const bf16* __restrict__ x,
-                               int rows, int cols, const float* scale_ptr) {
+    quantize_transposed_kernel(uint8_t* __restrict__ qt, uint8_t* __restrict__ q, unsigned int* amax_bits,
+                               const bf16* __restrict__ x, int rows, int cols, const float* scale_ptr) {
   __shared__ float tile[kTile][kTile + 1];
   start_after_previous_kernel();
   const float scale = *scale_ptr;
@@ -91,7 +92,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int p = threadIdx.x; p < kTile * kTile / 8; p += kThreads) {  // row packets: 8 per tile row
     const int r = p / (kTile / 8), c = p % (kTile / 8) * 8;
     float v[8] = {};
-    if (row0 + r < rows && col0 + c < cols) load_bf16x8(v, x + static_cast<size_t>(row0 + r) * cols + col0 + c);
+    if (row0 + r < rows && col0 + c < cols) {
+      const size_t at = static_cast<size_t>(row0 + r) * cols + col0 + c;
+      load_bf16x8(v, x + at);
+      if (q != nullptr) *reinterpret_cast<uint2*>(q + at) = pack_fp8x8<kFormat>(v, scale);
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       tile[r][c + j] = v[j];
@@ -152,8 +157,8 @@ void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float*
     launch_kernel(quantize_kernel<__NV_E5M2>, after_previous(blocks, kThreads), stream, q, bits, x, packets, scale);
 }
 
-void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, int cols, const float* scale,
-                             Fp8Format format, cudaStream_t stream) {
+void quantize_fp8_transposed(uint8_t* qt, uint8_t* q, float* amax, const bf16* x, int rows, int cols,
+                             const float* scale, Fp8Format format, cudaStream_t stream) {
   require(rows % 8 == 0 && cols % 8 == 0 && rows >= 0 && cols >= 0,
           "quantize_fp8_transposed: rows " + std::to_string(rows) + " and cols " + std::to_string(cols) +
               " must be multiples of 8");
@@ -162,11 +167,11 @@ void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, 
   const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile);
   unsigned int* bits = reinterpret_cast<unsigned int*>(amax);
   if (format == Fp8Format::E4M3)
-    launch_kernel(quantize_transposed_kernel<__NV_E4M3>, after_previous(grid, kThreads), stream, qt, bits, x, rows,
-                  cols, scale);
+    launch_kernel(quantize_transposed_kernel<__NV_E4M3>, after_previous(grid, kThreads), stream, qt, q, bits, x,
+                  rows, cols, scale);
   else
-    launch_kernel(quantize_transposed_kernel<__NV_E5M2>, after_previous(grid, kThreads), stream, qt, bits, x, rows,
-                  cols, scale);
+    launch_kernel(quantize_transposed_kernel<__NV_E5M2>, after_previous(grid, kThreads), stream, qt, q, bits, x,
+                  rows, cols, scale);
 }
 
 void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,

@@ -47,9 +47,11 @@ void column_sum(float* out, const bf16* x, int rows, int cols, int ld, const Col
 void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float* scale, Fp8Format format,
                   cudaStream_t stream);
 // The same for x [rows, cols] (row-major), stored transposed: qt [cols, rows], the K-major copy an FP8
-// GEMM needs of an operand that the other GEMMs read N-major. rows and cols multiples of 8.
-void quantize_fp8_transposed(uint8_t* qt, float* amax, const bf16* x, int rows, int cols, const float* scale,
-                             Fp8Format format, cudaStream_t stream);
+// GEMM needs of an operand that the other GEMMs read N-major; with q not null, the row-major copy too, from
+// the same read of x (an activation the forward and the weight gradient both take). rows and cols
+// multiples of 8.
+void quantize_fp8_transposed(uint8_t* qt, uint8_t* q, float* amax, const bf16* x, int rows, int cols,
+                             const float* scale, Fp8Format format, cudaStream_t stream);
 
 // Delayed scaling of `count` tensors in one launch (Fp8DelayedScale of src/fp8.hpp is the host
 // specification): each tensor's amax of this step (amax[t], gathered by its quantize calls; zeroed here for

@@ -215,12 +215,15 @@ void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int
   report(name, "residual_add", 3.0 * NC * 2, pair_sets, [&](int s) { uf::residual_add(y, h[s], dy[s], NC, 0); });
   // FP8 quantization of an activation with its amax, flat and transposed (the K-major copy).
   uint8_t* q8 = pool.alloc<uint8_t>(NC);
+  uint8_t* q8t = pool.alloc<uint8_t>(NC);
   float* amax = pool.alloc<float>(1);
   float* scale = pool.upload(std::vector<float>{1.0f});
   report(name, "quantize_fp8 e4m3 (+ amax)", 3.0 * NC, static_cast<int>(h.size()),
          [&](int s) { uf::quantize_fp8(q8, amax, h[s], NC, scale, coda::Fp8Format::E4M3, 0); });
   report(name, "quantize_fp8 e4m3 transposed", 3.0 * NC, static_cast<int>(h.size()),
-         [&](int s) { uf::quantize_fp8_transposed(q8, amax, h[s], N, C, scale, coda::Fp8Format::E4M3, 0); });
+         [&](int s) { uf::quantize_fp8_transposed(q8t, nullptr, amax, h[s], N, C, scale, coda::Fp8Format::E4M3, 0); });
+  report(name, "quantize_fp8 e4m3 both copies", 4.0 * NC, static_cast<int>(h.size()),
+         [&](int s) { uf::quantize_fp8_transposed(q8t, q8, amax, h[s], N, C, scale, coda::Fp8Format::E4M3, 0); });
 
   // MLP activations and biases.
   const auto up = random_sets(input_sets(static_cast<double>(N) * U * 2), static_cast<size_t>(N) * U, 2.0f);

@@ -26,7 +26,7 @@ using coda::Fp8Format;
 using bf16 = __nv_bfloat16;
 
 struct Quantized {
-  std::vector<uint8_t> q;
+  std::vector<uint8_t> q, qt;  // row-major; transposed (the transposed call writes both)
   float amax = 0.0f;
 };
 
@@ -45,24 +45,30 @@ std::vector<bf16> random_bf16(size_t n, uint64_t seed) {
 Quantized run(const std::vector<bf16>& x, int rows, int cols, bool transposed, float scale, Fp8Format format,
               float start_amax = 0.0f) {
   bf16* dx = nullptr;
-  uint8_t* dq = nullptr;
+  uint8_t *dq = nullptr, *dqt = nullptr;
   float *damax = nullptr, *dscale = nullptr;
   CUDA_CHECK(cudaMalloc(&dx, x.size() * sizeof(bf16)));
   CUDA_CHECK(cudaMalloc(&dq, x.size()));
+  CUDA_CHECK(cudaMalloc(&dqt, x.size()));
   CUDA_CHECK(cudaMalloc(&damax, sizeof(float)));
   CUDA_CHECK(cudaMalloc(&dscale, sizeof(float)));
   CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(bf16), cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(dscale, &scale, sizeof(float), cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(damax, &start_amax, sizeof(float), cudaMemcpyHostToDevice));
   if (transposed)
-    coda::unfused::quantize_fp8_transposed(dq, damax, dx, rows, cols, dscale, format, nullptr);
+    coda::unfused::quantize_fp8_transposed(dqt, dq, damax, dx, rows, cols, dscale, format, nullptr);
   else
     coda::unfused::quantize_fp8(dq, damax, dx, x.size(), dscale, format, nullptr);
   Quantized out;
   out.q.resize(x.size());
   CUDA_CHECK(cudaMemcpy(out.q.data(), dq, x.size(), cudaMemcpyDeviceToHost));
+  if (transposed) {
+    out.qt.resize(x.size());
+    CUDA_CHECK(cudaMemcpy(out.qt.data(), dqt, x.size(), cudaMemcpyDeviceToHost));
+  }
   CUDA_CHECK(cudaMemcpy(&out.amax, damax, sizeof(float), cudaMemcpyDeviceToHost));
-  for (void* p : {static_cast<void*>(dx), static_cast<void*>(dq), static_cast<void*>(damax), static_cast<void*>(dscale)})
+  for (void* p : {static_cast<void*>(dx), static_cast<void*>(dq), static_cast<void*>(dqt), static_cast<void*>(damax),
+                  static_cast<void*>(dscale)})
     CUDA_CHECK(cudaFree(p));
   return out;
 }
@@ -78,14 +84,15 @@ TEST(GpuFp8, QuantizeFlatAndTransposedEqualTheHostCodec) {
     for (bool transposed : {false, true}) {
       const Quantized q = run(x, rows, cols, transposed, scale, format);
       EXPECT_EQ(q.amax, amax) << coda::fp8_format_name(format) << (transposed ? " transposed" : "");
-      size_t mismatches = 0;
+      size_t mismatches = 0, mismatches_t = 0;
       for (int r = 0; r < rows; ++r)
         for (int c = 0; c < cols; ++c) {
           const uint8_t expected = coda::fp8_encode(__bfloat162float(x[static_cast<size_t>(r) * cols + c]) * scale, format);
-          const uint8_t got = transposed ? q.q[static_cast<size_t>(c) * rows + r] : q.q[static_cast<size_t>(r) * cols + c];
-          mismatches += got != expected;
+          mismatches += q.q[static_cast<size_t>(r) * cols + c] != expected;
+          if (transposed) mismatches_t += q.qt[static_cast<size_t>(c) * rows + r] != expected;
         }
-      EXPECT_EQ(mismatches, 0u) << coda::fp8_format_name(format) << (transposed ? " transposed" : "");
+      EXPECT_EQ(mismatches, 0u) << coda::fp8_format_name(format) << (transposed ? " transposed call" : "");
+      EXPECT_EQ(mismatches_t, 0u) << coda::fp8_format_name(format) << " transposed copy";
       // The amax gathers over the step's calls: a larger one already there stays.
       EXPECT_EQ(run(x, rows, cols, transposed, scale, format, 3.0f * amax).amax, 3.0f * amax);
     }
