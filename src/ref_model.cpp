@@ -88,7 +88,7 @@ void RefModel::enable_fp8(int history, int margin) {
   fp8_.clear();
   for (int i = 0; i < 4 * config.n_layer; ++i)
     fp8_.push_back({Fp8DelayedScale(Fp8Format::E4M3, history, margin), Fp8DelayedScale(Fp8Format::E4M3, history, margin),
-                    Fp8DelayedScale(Fp8Format::E5M2, history, margin)});
+                    Fp8DelayedScale(Fp8Format::E5M2, history, margin), {}, {}});
   fp8_step_ = 0;
 }
 
@@ -116,19 +116,17 @@ void RefModel::linear_forward(int layer, int linear, float* y, const float* x, s
                               int OC) {
   if (fp8_.empty()) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
   Fp8Linear& q = fp8_[4 * layer + linear];
-  const std::vector<float> xq = fp8_copy(x, static_cast<size_t>(N) * IC, q.x, Fp8Format::E4M3, "linear input");
-  const std::vector<float> wq = fp8_copy(param(w), static_cast<size_t>(OC) * IC, q.w, Fp8Format::E4M3, "weight");
-  matmul_forward(y, xq.data(), wq.data(), param(b), N, IC, OC);
+  q.xq = fp8_copy(x, static_cast<size_t>(N) * IC, q.x, Fp8Format::E4M3, "linear input");
+  q.wq = fp8_copy(param(w), static_cast<size_t>(OC) * IC, q.w, Fp8Format::E4M3, "weight");
+  matmul_forward(y, q.xq.data(), q.wq.data(), param(b), N, IC, OC);
 }
 
 void RefModel::linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b,
                                int N, int IC, int OC) {
   if (fp8_.empty()) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
   Fp8Linear& q = fp8_[4 * layer + linear];
-  const std::vector<float> xq = fp8_copy(x, static_cast<size_t>(N) * IC, q.x, Fp8Format::E4M3, "linear input");
-  const std::vector<float> wq = fp8_copy(param(w), static_cast<size_t>(OC) * IC, q.w, Fp8Format::E4M3, "weight");
   const std::vector<float> dyq = fp8_copy(dy, static_cast<size_t>(N) * OC, q.dy, Fp8Format::E5M2, "output gradient");
-  matmul_backward(dx, grad(w), nullptr, dyq.data(), xq.data(), wq.data(), N, IC, OC);
+  matmul_backward(dx, grad(w), nullptr, dyq.data(), q.xq.data(), q.wq.data(), N, IC, OC);
   if (b != kAbsent) matmul_backward(nullptr, nullptr, grad(b), dy, x, param(w), N, IC, OC);
 }
 

@@ -91,6 +91,7 @@ class RefModel {
 
   struct Fp8Linear {  // the delayed scales of one linear's input, weight and output gradient
     Fp8DelayedScale x, w, dy;
+    std::vector<float> xq, wq;  // the forward's FP8 copies of the input and the weight, for the backward
   };
   std::vector<Fp8Linear> fp8_;  // [n_layer * 4] when FP8 is on, empty otherwise
   int fp8_step_ = 0;
