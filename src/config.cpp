@@ -227,7 +227,7 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("optim", "grad_clip", c.grad_clip, "global gradient-norm clip (0: off)");
 
   key("run", "device", c.device, "auto | cpu | cuda");
-  key("run", "kernels", c.kernels, "auto | coda | unfused (cuda only)");
+  key("run", "kernels", c.kernels, "auto (coda where its programs cover the model, else unfused) | coda | unfused (cuda only)");
   key("run", "out", c.out, "run directory (metrics, config, checkpoints)");
   key("run", "seed", c.seed, "seed of initialisation and data order");
   key("run", "log_every", c.log_every, "console progress every N steps");
