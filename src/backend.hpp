@@ -9,9 +9,11 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
+#include "fp8.hpp"
 #include "model.hpp"
 
 namespace coda {
@@ -55,8 +57,15 @@ class Backend {
 
   // Global L2 norm of the gradient buffer.
   virtual float grad_norm() = 0;
-  // One AdamW update (bias-corrected, step is 1-based) on grad_scale * gradients.
+  // One AdamW update (bias-corrected, step is 1-based) on grad_scale * gradients. It closes the step: in
+  // FP8 the scales for the next step are updated first, and a non-finite amax of the step (an overflow
+  // upstream) throws std::runtime_error naming the tensor and the step, before any weight changes.
   virtual void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) = 0;
+
+  // FP8 (precision = fp8, docs/FP8.md): the delayed-scaling state the next step quantizes with, for
+  // checkpoints (empty in bf16 and before the first step), and back (check_fp8_state's rules).
+  virtual Fp8ScalingState read_fp8_state() { return {}; }
+  virtual void load_fp8_state(const Fp8ScalingState& state) { check_fp8_state(state, std::nullopt, 0); }
 
   virtual PhaseTimes last_phase_times() { return {}; }
 
@@ -75,15 +84,17 @@ class Backend {
 // or "" when they do (coda_runner.cu). The unfused mode covers every model.
 std::string coda_unsupported_reason(const ModelConfig& config);
 
-// The fp32 CPU reference backend (ref_model.hpp).
-std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len);
+// The fp32 CPU reference backend (ref_model.hpp); with fp8, the block linears in emulated FP8.
+std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len,
+                                          const std::optional<Fp8Recipe>& fp8 = std::nullopt);
 
 // The CUDA backend (cuda_backend.hpp) on the current device, kernels = "unfused" (cuBLASLt GEMMs plus one
 // kernel per operation, any model), "coda" (GEMM-epilogue programs, coda_runner.hpp, for the model's norm
 // family) or "auto" (coda where coda_unsupported_reason is empty, else unfused with a warning that gives
-// the reason). Throws std::invalid_argument for an unknown kernels mode or kernels = coda on a model it does
-// not cover, and std::runtime_error, with the numbers, when the model and batch do not fit in the free
-// device memory.
+// the reason). With fp8, the block linears run as cuBLASLt FP8 GEMMs (docs/FP8.md) in the unfused mode,
+// which auto then picks. Throws std::invalid_argument for an unknown kernels mode, kernels = coda on a
+// model it does not cover or with fp8, and std::runtime_error, with the numbers, when the model and batch
+// do not fit in the free device memory.
 // zero1: ZeRO-1 over zero1's ranks (docs/DISTRIBUTED.md). Each rank keeps the fp32 master weights and
 // AdamW moments of its shard only; the interface stays the same, with full flat arrays in and out, but
 // grad_norm, adamw_step, read_params and read_optimizer_state become collective (every rank calls them,
@@ -91,6 +102,7 @@ std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_bat
 // gradient to its shard's owner only (read_grads shows the mean over ranks on the own shard alone), and
 // load_params / load_optimizer_state take every rank's copy of the full state and keep the own shard.
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
-                                           int max_seq_len, Communicator* zero1 = nullptr);
+                                           int max_seq_len, Communicator* zero1 = nullptr,
+                                           const std::optional<Fp8Recipe>& fp8 = std::nullopt);
 
 }  // namespace coda

@@ -81,7 +81,8 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
   for (auto& token : targets) token = static_cast<int32_t>(rng.below(model.vocab_size));
 
   std::vector<BenchResult> results;
-  // --kernels coda|unfused times that mode alone; auto times every mode of this build side by side.
+  // --kernels coda|unfused times that mode alone; auto times every mode of this build side by side, all in
+  // bf16; --precision fp8 adds the FP8 unfused mode after them (the bf16 figures beside it).
   std::vector<std::pair<std::string, std::string>> backends = available_backends(config.device);
   if (config.kernels != "auto") {
     backends.erase(std::remove_if(backends.begin(), backends.end(),
@@ -91,10 +92,19 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
       throw std::invalid_argument("bench: kernels \"" + config.kernels + "\" is not available for " +
                                   arch_name(model.arch) + " on this machine");
   }
-  for (const auto& [device, kernels] : backends) {
+  struct Timed {
+    std::string device, kernels, precision;
+  };
+  std::vector<Timed> timed;
+  for (const auto& [device, kernels] : backends) timed.push_back({device, kernels, "bf16"});
+  if (config.precision == "fp8")
+    timed.push_back({backends.front().first, backends.front().first == "cuda" ? "unfused" : "auto", "fp8"});
+  for (const Timed& mode : timed) {
     RunConfig run = config;
-    run.device = device;
-    run.kernels = kernels;
+    run.device = mode.device;
+    run.kernels = mode.kernels;
+    run.precision = mode.precision;
+    const std::string& device = mode.device;
     require_data_parallel_device(run, world_size);
     std::unique_ptr<Backend> backend = make_backend(run, run.zero1 ? comm : nullptr);
     backend->load_params(params.data());

@@ -154,6 +154,11 @@ void RunConfig::validate() const {
   require(grad_clip >= 0.0f, "grad_clip must be >= 0 (0 disables clipping)");
   require(in(device, {"auto", "cpu", "cuda"}), "device must be auto, cpu or cuda, got \"" + device + "\"");
   require(in(kernels, {"auto", "coda", "unfused"}), "kernels must be auto, coda or unfused, got \"" + kernels + "\"");
+  require(in(precision, {"bf16", "fp8"}), "precision must be bf16 or fp8, got \"" + precision + "\"");
+  require(precision != "fp8" || kernels != "coda",
+          "precision = fp8 runs in the unfused mode (the coda programs are bf16): set kernels = unfused or auto");
+  require(fp8_history >= 1 && fp8_history <= 1024, "fp8_history must be in [1, 1024]");
+  require(fp8_margin >= 0 && fp8_margin <= 16, "fp8_margin must be in [0, 16]");
   require(!out.empty(), "out must not be empty");
   require(log_every >= 1, "log_every must be >= 1");
   require(val_every >= 0, "val_every must be >= 0 (0: never)");
@@ -161,6 +166,11 @@ void RunConfig::validate() const {
   require(checkpoint_every >= 0, "checkpoint_every must be >= 0 (0: only at the end)");
   require(keep_checkpoints >= 0, "keep_checkpoints must be >= 0 (0: keep all)");
   require(sample_every >= 0, "sample_every must be >= 0 (0: never)");
+}
+
+std::optional<Fp8Recipe> RunConfig::fp8() const {
+  if (precision != "fp8") return std::nullopt;
+  return Fp8Recipe{fp8_history, fp8_margin};
 }
 
 void add_config_options(CLI::App& app, RunConfig& c) {
@@ -228,6 +238,9 @@ void add_config_options(CLI::App& app, RunConfig& c) {
 
   key("run", "device", c.device, "auto | cpu | cuda");
   key("run", "kernels", c.kernels, "auto (coda where its programs cover the model, else unfused) | coda | unfused (cuda only)");
+  key("run", "precision", c.precision, "bf16 | fp8 (block linears as FP8 GEMMs, unfused mode; docs/FP8.md)");
+  key("run", "fp8_history", c.fp8_history, "fp8: steps of amax history behind each scale");
+  key("run", "fp8_margin", c.fp8_margin, "fp8: powers of two of headroom below the format's largest value");
   key("run", "out", c.out, "run directory (metrics, config, checkpoints)");
   key("run", "seed", c.seed, "seed of initialisation and data order");
   key("run", "log_every", c.log_every, "console progress every N steps");

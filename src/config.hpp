@@ -6,9 +6,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "fp8.hpp"
 #include "model.hpp"
 
 namespace CLI {
@@ -44,6 +46,9 @@ struct RunConfig {
   // [run]
   std::string device = "auto";   // auto | cpu | cuda
   std::string kernels = "auto";  // auto | coda | unfused (cuda only)
+  std::string precision = "bf16";  // bf16 | fp8 (the block linears in FP8, docs/FP8.md; unfused mode)
+  int fp8_history = 16;          // fp8: steps of amax history behind each scale
+  int fp8_margin = 0;            // fp8: powers of two of headroom below the format's largest value
   std::string out = "runs/default";
   uint64_t seed = 1337;
   int log_every = 10;
@@ -59,6 +64,8 @@ struct RunConfig {
   // Throws std::invalid_argument naming the key when a value is out of range or inconsistent. With
   // init_from set the model keys are not checked: the run takes its model from there.
   void validate() const;
+  // The FP8 recipe when precision = fp8, nullopt for bf16.
+  std::optional<Fp8Recipe> fp8() const;
 };
 
 // Registers every key of RunConfig as an option of `app` (with its default shown in --help).

@@ -31,7 +31,7 @@ float bf16_bits_to_float(uint16_t bits) {
 }  // namespace
 
 CudaBackend::CudaBackend(const ModelConfig& config, int max_batch, int max_seq_len, Communicator* zero1,
-                         std::unique_ptr<StepRunner> (*make_runner)(DeviceState&))
+                         const RunnerFactory& make_runner)
     : state_(config, max_batch, max_seq_len), config_(state_.config()), stream_(state_.stream()) {
   if (zero1 != nullptr) state_.shard_optimizer_state(*zero1);
   runner_ = make_runner(state_);
@@ -96,6 +96,7 @@ float CudaBackend::forward_backward(const int32_t* tokens, const int32_t* target
   const int N = B * T;
   upload_batch(tokens, targets, B, T);
   CUDA_CHECK(cudaEventRecord(events_[kForwardStart], stream_));
+  runner_->io.training = true;
   forward(B, T);
   runner_->loss_forward(B, T);
   CUDA_CHECK(cudaEventRecord(events_[kForwardEnd], stream_));
@@ -130,6 +131,7 @@ void CudaBackend::average_grads_in_next_backward(Communicator& comm) {
   if (state_.zero1_comm() != nullptr && &comm != state_.zero1_comm())
     throw std::logic_error("cuda backend: ZeRO-1 reduces gradients over the communicator it was sharded with");
   reduce_comm_ = &comm;
+  data_parallel_comm_ = &comm;
 }
 
 void CudaBackend::reduce_next_bucket(Communicator* comm, size_t& bucket) {
@@ -139,6 +141,7 @@ void CudaBackend::reduce_next_bucket(Communicator* comm, size_t& bucket) {
 float CudaBackend::forward_loss(const int32_t* tokens, const int32_t* targets, int B, int T) {
   check_shape(B, T, "forward_loss");
   upload_batch(tokens, targets, B, T);
+  runner_->io.training = false;
   forward(B, T);
   runner_->loss_forward(B, T);
   return mean_loss(B * T);
@@ -147,6 +150,7 @@ float CudaBackend::forward_loss(const int32_t* tokens, const int32_t* targets, i
 void CudaBackend::last_logits(const int32_t* tokens, int B, int T, float* out) {
   check_shape(B, T, "last_logits");
   upload_batch(tokens, nullptr, B, T);
+  runner_->io.training = false;
   forward(B, T);
   const size_t Vp = config_.padded_vocab();
   std::vector<uint16_t> rows(static_cast<size_t>(B) * Vp);
@@ -160,6 +164,7 @@ void CudaBackend::last_logits(const int32_t* tokens, int B, int T, float* out) {
 }
 
 void CudaBackend::adamw_step(const AdamWHyper& hyper, int step, float grad_scale) {
+  runner_->close_fp8_step(step - 1, data_parallel_comm_);
   CUDA_CHECK(cudaEventRecord(events_[kOptimizerStart], stream_));
   state_.adamw_step(hyper, step, grad_scale);
   CUDA_CHECK(cudaEventRecord(events_[kOptimizerEnd], stream_));
@@ -185,16 +190,21 @@ PhaseTimes CudaBackend::last_phase_times() {
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
-                                           int max_seq_len, Communicator* zero1) {
-  std::unique_ptr<StepRunner> (*make_runner)(DeviceState&) = nullptr;
+                                           int max_seq_len, Communicator* zero1, const std::optional<Fp8Recipe>& fp8) {
   std::string mode = kernels;
-  if (kernels == "auto") {
+  if (fp8 && kernels == "coda")
+    throw std::invalid_argument(
+        "precision = fp8 runs in the unfused mode (the coda programs are bf16): use kernels = unfused or auto");
+  if (kernels == "auto" && fp8) {
+    mode = "unfused";
+  } else if (kernels == "auto") {
     const std::string reason = coda_unsupported_reason(config);
     if (!reason.empty()) spdlog::warn("kernels auto: {}; running the unfused mode", reason);
     mode = reason.empty() ? "coda" : "unfused";
   }
+  CudaBackend::RunnerFactory make_runner;
   if (mode == "unfused")
-    make_runner = make_unfused_runner;
+    make_runner = [fp8](DeviceState& state) { return make_unfused_runner(state, fp8); };
   else if (mode == "coda")
     make_runner = config.norm == Norm::Layer ? make_coda_layernorm_runner : make_coda_rmsnorm_runner;
   else

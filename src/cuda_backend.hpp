@@ -7,6 +7,7 @@
 // communicator's stream (data parallelism, docs/DISTRIBUTED.md), and the per-row losses read back: the
 // only host wait of a micro-batch.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -20,8 +21,9 @@ class CudaBackend final : public Backend {
  public:
   // The state and the runner that `make_runner` makes on it; with zero1, the optimizer state sharded
   // over its ranks; allocated.
+  using RunnerFactory = std::function<std::unique_ptr<StepRunner>(DeviceState&)>;
   CudaBackend(const ModelConfig& config, int max_batch, int max_seq_len, Communicator* zero1,
-              std::unique_ptr<StepRunner> (*make_runner)(DeviceState&));
+              const RunnerFactory& make_runner);
   ~CudaBackend() override;
 
   std::string name() const override { return "cuda-" + runner_->mode(); }
@@ -38,6 +40,8 @@ class CudaBackend final : public Backend {
   void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) override;
   PhaseTimes last_phase_times() override;
   void average_grads_in_next_backward(Communicator& comm) override;
+  Fp8ScalingState read_fp8_state() override { return runner_->read_fp8_state(); }
+  void load_fp8_state(const Fp8ScalingState& state) override { runner_->load_fp8_state(state); }
 
  private:
   void check_shape(int B, int T, const char* what) const;
@@ -52,6 +56,7 @@ class CudaBackend final : public Backend {
   const ModelConfig& config_;
   const cudaStream_t stream_;
   Communicator* reduce_comm_ = nullptr;  // armed by average_grads_in_next_backward for one backward
+  Communicator* data_parallel_comm_ = nullptr;  // the latest one armed: the ranks FP8's amax is shared by
 
   // Pinned host staging for the per-step transfers.
   int32_t* host_tokens_ = nullptr;   // [N] tokens, [N] targets

@@ -167,6 +167,12 @@ void DeviceState::hand_to_comm(Communicator& comm) {
   comm.wait_event(comm_ready_);
 }
 
+void DeviceState::all_reduce_max(Communicator& comm, float* data, size_t count) {
+  hand_to_comm(comm);
+  comm.all_reduce(data, count, ReduceOp::Max);
+  comm.join(stream_);
+}
+
 void DeviceState::reduce_bucket(Communicator& comm, size_t bucket) {
   if (bucket >= gradient_buckets_.size()) throw std::logic_error("cuda backend: more backward pieces than buckets");
   const GradBucket& b = gradient_buckets_[bucket];

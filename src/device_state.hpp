@@ -85,6 +85,8 @@ class DeviceState {
   size_t num_buckets() const { return gradient_buckets_.size(); }
   void reduce_bucket(Communicator& comm, size_t bucket);
   Communicator* zero1_comm() const { return zero1_.comm; }
+  // data[0, count) = its max over comm's ranks, after the work enqueued on stream() and before what follows.
+  void all_reduce_max(Communicator& comm, float* data, size_t count);
   // The host waits for stream(); through the ZeRO-1 communicator's watchdog when sharded.
   void wait_stream();
 

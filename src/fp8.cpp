@@ -59,23 +59,64 @@ uint8_t fp8_encode(float x, Fp8Format format) {
   return sign | static_cast<uint8_t>(code);  // a < largest: the rounding cannot pass the largest code
 }
 
+const char* fp8_linear_name(int linear) {
+  static const char* const names[kFp8Linears] = {"qkv", "attn_proj", "mlp_up", "mlp_down"};
+  if (linear < 0 || linear >= kFp8Linears) throw std::out_of_range("fp8 linear " + std::to_string(linear));
+  return names[linear];
+}
+
+std::string fp8_tensor_name(int index, int n_layer) {
+  static const char* const roles[3] = {"input", "weight", "output gradient"};
+  const int per_role = kFp8Linears * n_layer;
+  if (index < 0 || index >= 3 * per_role)
+    throw std::out_of_range("fp8 tensor " + std::to_string(index) + " of a model of " + std::to_string(n_layer) +
+                            " layers");
+  const int layer = index % per_role / kFp8Linears;
+  return "layer " + std::to_string(layer) + " " + fp8_linear_name(index % kFp8Linears) + " " + roles[index / per_role];
+}
+
+void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, int n_layer) {
+  if (state.empty()) return;
+  if (!history)
+    throw std::invalid_argument("fp8 scaling state given to a run without FP8 (precision = bf16)");
+  if (state.history != *history)
+    throw std::invalid_argument("fp8 scaling state of " + std::to_string(state.history) +
+                                " steps of history, but this run's fp8_history is " + std::to_string(*history));
+  const size_t expected = static_cast<size_t>(fp8_tensor_count(n_layer)) * state.history;
+  if (state.amax.size() != expected)
+    throw std::invalid_argument("fp8 scaling state holds " + std::to_string(state.amax.size()) +
+                                " amax values; a model of " + std::to_string(n_layer) + " layers has " +
+                                std::to_string(expected) + " (" + std::to_string(fp8_tensor_count(n_layer)) +
+                                " tensors x " + std::to_string(state.history) + " steps)");
+}
+
 Fp8DelayedScale::Fp8DelayedScale(Fp8Format format, int history, int margin)
     : format_(format), margin_(margin), history_(history > 0 ? history : 0, 0.0f) {
   if (history < 1) throw std::invalid_argument("fp8 delayed scaling: history must be >= 1, got " + std::to_string(history));
   if (margin < 0) throw std::invalid_argument("fp8 delayed scaling: margin must be >= 0, got " + std::to_string(margin));
 }
 
-void Fp8DelayedScale::record(float amax, int step, const std::string& what) {
-  if (step < 0) throw std::invalid_argument("fp8 delayed scaling: step must be >= 0, got " + std::to_string(step));
+void Fp8DelayedScale::record(float amax, const std::string& what) {
   if (!std::isfinite(amax) || amax < 0.0f)
-    throw std::runtime_error("fp8: " + what + " has amax " + std::to_string(amax) + " at step " +
-                             std::to_string(step) + " (an overflow or NaN upstream; the scale is kept)");
-  float& slot = history_[static_cast<size_t>(step) % history_.size()];
-  slot = step == recorded_step_ ? std::max(slot, amax) : amax;
-  recorded_step_ = step;
+    throw std::runtime_error("fp8: " + what + " has amax " + std::to_string(amax) +
+                             " (an overflow or NaN upstream; the scale is kept)");
+  step_amax_ = std::max(step_amax_, amax);
 }
 
-void Fp8DelayedScale::update() {
+void Fp8DelayedScale::update(int step) {
+  if (step < 0) throw std::invalid_argument("fp8 delayed scaling: step must be >= 0, got " + std::to_string(step));
+  history_[static_cast<size_t>(step) % history_.size()] = step_amax_;
+  step_amax_ = 0.0f;
+  rescale();
+}
+
+void Fp8DelayedScale::restore(const float* history) {
+  std::copy_n(history, history_.size(), history_.begin());
+  step_amax_ = 0.0f;
+  rescale();
+}
+
+void Fp8DelayedScale::rescale() {
   const float amax = *std::max_element(history_.begin(), history_.end());
   if (amax > 0.0f) scale_ = std::ldexp(fp8_largest(format_) / amax, -margin_);
 }

@@ -9,8 +9,12 @@
 // Delayed scaling: a tensor is stored as encode(x * scale) and read as decode(q) / scale; the scale comes
 // from the largest |x| seen over the last `history` steps (amax history), scale = largest_finite /
 // (amax * 2^margin), so this step's values are quantized with a scale known before they exist.
+// The FP8 training recipe (docs/FP8.md) runs the block linears in FP8; Fp8Recipe holds its two numbers,
+// Fp8ScalingState what a checkpoint keeps of it, and the fp8_tensor_* functions the one order of the
+// scaled tensors that the CPU reference, the GPU and the checkpoint share.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,26 +27,64 @@ float fp8_largest(Fp8Format format);  // the largest finite value
 uint8_t fp8_encode(float x, Fp8Format format);
 float fp8_decode(uint8_t code, Fp8Format format);
 
+// precision = "fp8": delayed scaling over `history` steps with `margin` powers of two of headroom.
+struct Fp8Recipe {
+  int history = 16;
+  int margin = 0;
+};
+
+// The scaled tensors of a model of n_layer blocks: for each of the four block linears (linear 0 qkv,
+// 1 attention output, 2 MLP up, 3 MLP down) its input (e4m3), its weight (e4m3) and its output gradient
+// (e5m2), grouped by role: index = (role * n_layer + layer) * 4 + linear, so the e4m3 tensors come first.
+enum class Fp8Role { Input = 0, Weight = 1, OutputGrad = 2 };
+constexpr int kFp8Linears = 4;
+inline int fp8_tensor_count(int n_layer) { return 3 * kFp8Linears * n_layer; }
+inline int fp8_tensor_index(Fp8Role role, int layer, int linear, int n_layer) {
+  return (static_cast<int>(role) * n_layer + layer) * kFp8Linears + linear;
+}
+inline Fp8Format fp8_role_format(Fp8Role role) { return role == Fp8Role::OutputGrad ? Fp8Format::E5M2 : Fp8Format::E4M3; }
+inline Fp8Format fp8_tensor_format(int index, int n_layer) {
+  return fp8_role_format(static_cast<Fp8Role>(index / (kFp8Linears * n_layer)));
+}
+const char* fp8_linear_name(int linear);              // "qkv", "attn_proj", "mlp_up", "mlp_down"
+std::string fp8_tensor_name(int index, int n_layer);  // "layer 3 mlp_down output gradient"
+
+// A run's delayed-scaling state between steps: each scaled tensor's amax history, [tensor][history] in
+// fp8_tensor_index order. Empty: nothing recorded yet (a bf16 run, or an FP8 run before its first step).
+struct Fp8ScalingState {
+  int history = 0;
+  std::vector<float> amax;
+  bool empty() const { return amax.empty(); }
+};
+// Throws std::invalid_argument, with the numbers, unless `state` is empty or fits a model of n_layer
+// blocks whose run has FP8 with a history of `history` steps (nullopt: a bf16 run, which takes none).
+void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, int n_layer);
+
 class Fp8DelayedScale {
  public:
-  // history >= 1 steps of amax; margin: powers of two of headroom below the largest finite value.
+  // history >= 1 steps of amax; margin >= 0.
   Fp8DelayedScale(Fp8Format format, int history, int margin = 0);
 
-  // Records the largest |x| of a tensor quantized in step `step`: the step's amax is the max over its
-  // records (the micro-batches of gradient accumulation), and the history keeps the last `history` steps
-  // (a step without a record leaves its slot as it was). A non-finite amax is refused (std::runtime_error
-  // naming `what` and the step), so an overflow never reaches the scale or the weights.
-  void record(float amax, int step, const std::string& what);
-  // The scale for the next step, from the history (1 while nothing non-zero was seen).
-  void update();
-  float scale() const { return scale_; }
+  // Records the largest |x| of a tensor quantized in the current step: the step's amax is the max over its
+  // records (the micro-batches of gradient accumulation). A non-finite amax is refused (std::runtime_error
+  // naming `what`), so an overflow never reaches the scale or the weights.
+  void record(float amax, const std::string& what);
+  // Closes optimizer step `step` (0 for the first): its amax goes into history slot step % history (zero
+  // when nothing was recorded), and the scale for the next step comes from the history (kept while the
+  // history holds only zeros; 1 at the start). The GPU's fp8_update_scales does the same operations.
+  void update(int step);
+  // The history as a checkpoint keeps it (after update), and back; the scale follows from it.
   const std::vector<float>& history() const { return history_; }
+  void restore(const float* history);
+  float scale() const { return scale_; }
 
  private:
+  void rescale();
+
   Fp8Format format_;
   int margin_;
   std::vector<float> history_;  // the amax of step s at s % history: the last `history` steps
-  int recorded_step_ = -1;      // the step of the latest record
+  float step_amax_ = 0.0f;      // the max of the current step's records
   float scale_ = 1.0f;
 };
 

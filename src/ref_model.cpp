@@ -84,28 +84,49 @@ static void norm_backward(const ModelConfig& c, float* dx, float* dw, float* db,
     rmsnorm_backward(dx, dw, dy, x, w, rstd, N, c.d_model);
 }
 
-void RefModel::enable_fp8(int history, int margin) {
-  fp8_.clear();
-  for (int i = 0; i < 4 * config.n_layer; ++i)
-    fp8_.push_back({Fp8DelayedScale(Fp8Format::E4M3, history, margin), Fp8DelayedScale(Fp8Format::E4M3, history, margin),
-                    Fp8DelayedScale(Fp8Format::E5M2, history, margin), {}, {}});
-  fp8_step_ = 0;
+void RefModel::enable_fp8(const Fp8Recipe& recipe) {
+  fp8_scales_.clear();
+  for (int t = 0; t < fp8_tensor_count(config.n_layer); ++t)
+    fp8_scales_.emplace_back(fp8_tensor_format(t, config.n_layer), recipe.history, recipe.margin);
+  fp8_copies_.assign(kFp8Linears * config.n_layer, {});
+  fp8_history_ = recipe.history;
+  fp8_calibrated_ = false;
 }
 
-void RefModel::fp8_end_step() {
-  for (Fp8Linear& linear : fp8_) {
-    linear.x.update();
-    linear.w.update();
-    linear.dy.update();
+Fp8DelayedScale& RefModel::fp8_scale(Fp8Role role, int layer, int linear) {
+  return fp8_scales_[fp8_tensor_index(role, layer, linear, config.n_layer)];
+}
+
+void RefModel::fp8_end_step(int step) {
+  for (Fp8DelayedScale& scale : fp8_scales_) scale.update(step);
+  fp8_calibrated_ = !fp8_scales_.empty();
+}
+
+Fp8ScalingState RefModel::fp8_state() const {
+  Fp8ScalingState state;
+  if (!fp8_calibrated_) return state;
+  state.history = fp8_history_;
+  for (const Fp8DelayedScale& scale : fp8_scales_)
+    state.amax.insert(state.amax.end(), scale.history().begin(), scale.history().end());
+  return state;
+}
+
+void RefModel::load_fp8_state(const Fp8ScalingState& state) {
+  check_fp8_state(state, fp8_scales_.empty() ? std::nullopt : std::optional<int>(fp8_history_), config.n_layer);
+  if (state.empty()) return;
+  for (size_t t = 0; t < fp8_scales_.size(); ++t) fp8_scales_[t].restore(state.amax.data() + t * state.history);
+  fp8_calibrated_ = true;
+}
+
+std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8Role role, int layer, int linear) {
+  Fp8DelayedScale& scale = fp8_scale(role, layer, linear);
+  if (fp8_recording_) {
+    float amax = 0.0f;
+    for (size_t i = 0; i < n; ++i) amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
+    scale.record(amax, fp8_tensor_name(fp8_tensor_index(role, layer, linear, config.n_layer), config.n_layer));
   }
-  ++fp8_step_;
-}
-
-std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8DelayedScale& scale, Fp8Format format,
-                                      const char* what) {
-  float amax = 0.0f;
-  for (size_t i = 0; i < n; ++i) amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
-  scale.record(amax, fp8_step_, what);
+  if (!fp8_calibrated_) return std::vector<float>(x, x + n);
+  const Fp8Format format = fp8_role_format(role);
   const float s = scale.scale();
   std::vector<float> copy(n);
   for (size_t i = 0; i < n; ++i) copy[i] = fp8_decode(fp8_encode(x[i] * s, format), format) / s;
@@ -114,23 +135,24 @@ std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8DelayedScale&
 
 void RefModel::linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC,
                               int OC) {
-  if (fp8_.empty()) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
-  Fp8Linear& q = fp8_[4 * layer + linear];
-  q.xq = fp8_copy(x, static_cast<size_t>(N) * IC, q.x, Fp8Format::E4M3, "linear input");
-  q.wq = fp8_copy(param(w), static_cast<size_t>(OC) * IC, q.w, Fp8Format::E4M3, "weight");
-  matmul_forward(y, q.xq.data(), q.wq.data(), param(b), N, IC, OC);
+  if (fp8_scales_.empty()) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
+  Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
+  q.x = fp8_copy(x, static_cast<size_t>(N) * IC, Fp8Role::Input, layer, linear);
+  q.w = fp8_copy(param(w), static_cast<size_t>(OC) * IC, Fp8Role::Weight, layer, linear);
+  matmul_forward(y, q.x.data(), q.w.data(), param(b), N, IC, OC);
 }
 
 void RefModel::linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b,
                                int N, int IC, int OC) {
-  if (fp8_.empty()) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
-  Fp8Linear& q = fp8_[4 * layer + linear];
-  const std::vector<float> dyq = fp8_copy(dy, static_cast<size_t>(N) * OC, q.dy, Fp8Format::E5M2, "output gradient");
-  matmul_backward(dx, grad(w), nullptr, dyq.data(), q.xq.data(), q.wq.data(), N, IC, OC);
+  if (fp8_scales_.empty()) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
+  const Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
+  const std::vector<float> dyq = fp8_copy(dy, static_cast<size_t>(N) * OC, Fp8Role::OutputGrad, layer, linear);
+  matmul_backward(dx, grad(w), nullptr, dyq.data(), q.x.data(), q.w.data(), N, IC, OC);
   if (b != kAbsent) matmul_backward(nullptr, nullptr, grad(b), dy, x, param(w), N, IC, OC);
 }
 
-float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, int T, bool training) {
+  fp8_recording_ = training;
   if (B < 1 || B > max_batch_ || T < 1 || T > max_seq_len_)
     throw std::invalid_argument("RefModel::forward: shape B=" + std::to_string(B) + " T=" + std::to_string(T) +
                                 " outside the limits B<=" + std::to_string(max_batch_) +
@@ -181,6 +203,7 @@ float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, in
 }
 
 void RefModel::backward(float grad_scale) {
+  fp8_recording_ = true;
   if (!have_targets_) throw std::logic_error("RefModel::backward: the last forward had no targets");
   const int B = B_, T = T_, N = B * T, C = config.d_model, hd = config.head_dim(), NH = config.n_head;
   const int NKV = config.n_kv_head, F = config.d_ff, up_rows = config.mlp_up_rows(), Vp = config.padded_vocab();
@@ -238,10 +261,13 @@ namespace {
 // The Backend interface over RefModel, with the AdamW moments beside it.
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(const ModelConfig& config, int max_batch, int max_seq_len)
-      : model_(config, max_batch, max_seq_len), m_(model_.layout.total, 0.0f), v_(model_.layout.total, 0.0f) {}
+  CpuBackend(const ModelConfig& config, int max_batch, int max_seq_len, const std::optional<Fp8Recipe>& fp8)
+      : model_(config, max_batch, max_seq_len), m_(model_.layout.total, 0.0f), v_(model_.layout.total, 0.0f),
+        fp8_(fp8.has_value()) {
+    if (fp8) model_.enable_fp8(*fp8);
+  }
 
-  std::string name() const override { return "cpu"; }
+  std::string name() const override { return fp8_ ? "cpu-fp8" : "cpu"; }
 
   void load_params(const float* params) override { std::copy_n(params, total(), model_.params.data()); }
   void read_params(float* params) override { std::copy_n(model_.params.data(), total(), params); }
@@ -257,7 +283,7 @@ class CpuBackend final : public Backend {
   void zero_grad() override { model_.zero_grad(); }
 
   float forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, float grad_scale) override {
-    const float loss = model_.forward(tokens, targets, B, T);
+    const float loss = model_.forward(tokens, targets, B, T, true);
     model_.backward(grad_scale);
     return loss;
   }
@@ -278,21 +304,26 @@ class CpuBackend final : public Backend {
     return static_cast<float>(std::sqrt(sum));
   }
   void adamw_step(const AdamWHyper& hyper, int step, float grad_scale) override {
+    if (fp8_) model_.fp8_end_step(step - 1);
     adamw_update(model_.layout, model_.params.data(), model_.grads.data(), m_.data(), v_.data(), hyper, step,
                  grad_scale);
   }
+  Fp8ScalingState read_fp8_state() override { return model_.fp8_state(); }
+  void load_fp8_state(const Fp8ScalingState& state) override { model_.load_fp8_state(state); }
 
  private:
   size_t total() const { return model_.layout.total; }
 
   ref::RefModel model_;
   std::vector<float> m_, v_;
+  bool fp8_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len) {
-  return std::make_unique<CpuBackend>(config, max_batch, max_seq_len);
+std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_batch, int max_seq_len,
+                                          const std::optional<Fp8Recipe>& fp8) {
+  return std::make_unique<CpuBackend>(config, max_batch, max_seq_len, fp8);
 }
 
 }  // namespace coda

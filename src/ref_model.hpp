@@ -57,19 +57,25 @@ class RefModel {
   // Runs the forward pass of B sequences of T tokens (host arrays of B*T ids). With targets, computes
   // the per-token losses and returns their mean; without (null), returns NaN and only the logits are
   // meaningful. Throws std::invalid_argument on a shape beyond the limits or a token out of range.
-  float forward(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // training: FP8 records amax (see enable_fp8).
+  float forward(const int32_t* tokens, const int32_t* targets, int B, int T, bool training = false);
   // Adds d(grad_scale * mean_loss)/d(params) into grads, for the last forward (which had targets).
   void backward(float grad_scale);
 
-  // FP8 training, emulated: the specification of an FP8 mode. Each block linear (qkv, attention output,
-  // MLP up and down) runs its forward on e4m3 copies of its input and weight, and its dgrad and wgrad on an
-  // e5m2 copy of its output gradient with those e4m3 copies (bias gradients from the unquantized one);
-  // a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling (fp8.hpp): the scale from
-  // the amax history of the steps before, this step's amax recorded. The LM head, norms, attention and
-  // loss stay fp32. fp8_end_step() closes an optimizer step (after its micro-batches): every scale is
-  // updated from the history for the next one.
-  void enable_fp8(int history, int margin);
-  void fp8_end_step();
+  // FP8 training, emulated: the specification of the FP8 mode (docs/FP8.md). Each block linear (qkv,
+  // attention output, MLP up and down) runs its forward on e4m3 copies of its input and weight, and its
+  // dgrad and wgrad on an e5m2 copy of its output gradient with those e4m3 copies (bias gradients from the
+  // unquantized one); a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling
+  // (fp8.hpp): the scale from the amax history of the steps before. A training forward and every backward
+  // record their tensors' amax; an evaluation forward quantizes with the scales as they are. Until the
+  // first step has closed there is no history: that step computes in fp32 and only records (calibration).
+  // The LM head, norms, attention and loss stay fp32. fp8_end_step(step) closes optimizer step `step`
+  // (0-based, after its micro-batches): every scale is updated for the next one.
+  void enable_fp8(const Fp8Recipe& recipe);
+  void fp8_end_step(int step);
+  // The scaling state between steps (empty before the first step closes), and back (check_fp8_state).
+  Fp8ScalingState fp8_state() const;
+  void load_fp8_state(const Fp8ScalingState& state);
 
   const ModelConfig config;
   const ParamLayout layout;
@@ -86,15 +92,19 @@ class RefModel {
   void linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC, int OC);
   void linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b, int N,
                        int IC, int OC);
-  // x times its scale through the format and back; records max |x| for the step.
-  std::vector<float> fp8_copy(const float* x, size_t n, Fp8DelayedScale& scale, Fp8Format format, const char* what);
+  // x times the scale of its tensor through the role's format and back (x itself before calibration);
+  // records max |x| while recording.
+  std::vector<float> fp8_copy(const float* x, size_t n, Fp8Role role, int layer, int linear);
+  Fp8DelayedScale& fp8_scale(Fp8Role role, int layer, int linear);
 
-  struct Fp8Linear {  // the delayed scales of one linear's input, weight and output gradient
-    Fp8DelayedScale x, w, dy;
-    std::vector<float> xq, wq;  // the forward's FP8 copies of the input and the weight, for the backward
+  std::vector<Fp8DelayedScale> fp8_scales_;  // fp8_tensor_index order when FP8 is on, empty otherwise
+  struct Fp8Copies {                         // the forward's FP8 copies of a linear's input and weight
+    std::vector<float> x, w;
   };
-  std::vector<Fp8Linear> fp8_;  // [n_layer * 4] when FP8 is on, empty otherwise
-  int fp8_step_ = 0;
+  std::vector<Fp8Copies> fp8_copies_;        // [n_layer * 4]
+  int fp8_history_ = 0;
+  bool fp8_calibrated_ = false;
+  bool fp8_recording_ = false;
   int max_batch_, max_seq_len_;
   int B_ = 0, T_ = 0;
   bool have_targets_ = false;

@@ -10,9 +10,11 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "device_state.hpp"
+#include "fp8.hpp"
 #include "kernels/attention/attention.cuh"
 
 namespace coda {
@@ -29,6 +31,7 @@ class StepRunner {
     bf16* logits = nullptr;            // [N, Vp]; the backward may overwrite it with dlogits
     float* losses = nullptr;           // [N]
     float* logits_lse = nullptr;       // [N]
+    bool training = false;             // the forward pieces belong to a training micro-batch
   };
 
   explicit StepRunner(DeviceState& state);
@@ -51,6 +54,15 @@ class StepRunner {
   virtual void block_backward(int layer, int B, int T) = 0;
   virtual void embedding_backward(int B, int T) = 0;
 
+  // FP8 (fp8_linears.hpp), for a runner that has it: closes optimizer step `step` (0-based; comm: the
+  // data-parallel ranks, or null), and the scaling state in and out. A bf16 runner has no state.
+  virtual void close_fp8_step(int step, Communicator* comm) {
+    (void)step;
+    (void)comm;
+  }
+  virtual Fp8ScalingState read_fp8_state() { return {}; }
+  virtual void load_fp8_state(const Fp8ScalingState& state) { check_fp8_state(state, std::nullopt, 0); }
+
   StepIO io;
 
  protected:
@@ -71,8 +83,9 @@ class StepRunner {
   const cudaStream_t stream_;
 };
 
-// The runners, not yet planned (the backend plans and allocates them with the state).
-std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state);
+// The runners, not yet planned (the backend plans and allocates them with the state); the unfused one with
+// its block linears in FP8 when fp8 is given.
+std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state, const std::optional<Fp8Recipe>& fp8);
 std::unique_ptr<StepRunner> make_coda_layernorm_runner(DeviceState& state);
 std::unique_ptr<StepRunner> make_coda_rmsnorm_runner(DeviceState& state);
 

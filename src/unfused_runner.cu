@@ -1,7 +1,8 @@
 // The unfused mode: cuBLASLt GEMMs (no epilogue) and one kernel of kernels/unfused/ per operation, for
 // every model the features describe. Its activations are the plain ones of the CPU reference (norm
 // outputs and statistics, qkv after bias and RoPE, the MLP's pre-activation and activation), so it is the
-// mode to compare the CODA mode with, step for step.
+// mode to compare the CODA mode with, step for step. With an FP8 recipe its four block linears run as FP8
+// GEMMs (fp8_linears.hpp); everything else, the LM head included, stays as it is.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -10,6 +11,7 @@
 #include "kernels/attention/attention.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/gemm/cublaslt.cuh"
+#include "fp8_linears.hpp"
 #include "kernels/unfused/unfused.cuh"
 #include "step_runner.hpp"
 
@@ -19,8 +21,11 @@ namespace {
 
 class UnfusedRunner final : public StepRunner {
  public:
-  explicit UnfusedRunner(DeviceState& state) : StepRunner(state), cublas_(std::make_unique<CublasLt>()) {}
-  std::string mode() const override { return "unfused"; }
+  UnfusedRunner(DeviceState& state, const std::optional<Fp8Recipe>& fp8)
+      : StepRunner(state), cublas_(std::make_unique<CublasLt>()) {
+    if (fp8) fp8_ = std::make_unique<Fp8Linears>(state, *cublas_, *fp8);
+  }
+  std::string mode() const override { return fp8_ != nullptr ? "unfused-fp8" : "unfused"; }
   void upload_tables() override;
 
   void embedding_forward(int B, int T) override;
@@ -30,6 +35,17 @@ class UnfusedRunner final : public StepRunner {
   void head_backward(int B, int T, float dloss) override;
   void block_backward(int layer, int B, int T) override;
   void embedding_backward(int B, int T) override;
+
+  void close_fp8_step(int step, Communicator* comm) override {
+    if (fp8_ != nullptr) fp8_->close_step(step, comm);
+  }
+  Fp8ScalingState read_fp8_state() override { return fp8_ != nullptr ? fp8_->read_state() : Fp8ScalingState{}; }
+  void load_fp8_state(const Fp8ScalingState& state) override {
+    if (fp8_ != nullptr)
+      fp8_->load_state(state);
+    else
+      StepRunner::load_fp8_state(state);
+  }
 
  protected:
   void plan_buffers(ArenaPlan& plan) override;
@@ -68,12 +84,16 @@ class UnfusedRunner final : public StepRunner {
   void norm_forward(bf16* y, float* mean, float* rstd, const bf16* x, size_t w, size_t b, int N);
   void norm_backward(bf16* dx, const bf16* dy, const bf16* x, size_t w, size_t b, const float* mean,
                      const float* rstd, int N, bool accumulate);
-  // Y[N, OC] = X[N, IC] W^T; dX = dY W; dW += dY^T X (fp32, accumulating).
-  void linear_forward(bf16* y, const bf16* x, size_t w, int N, int IC, int OC);
-  void linear_dgrad(bf16* dx, const bf16* dy, size_t w, int N, int IC, int OC);
-  void linear_wgrad(size_t w, const bf16* dy, const bf16* x, int N, int IC, int OC);
+  // Y[N, OC] = X[N, IC] W^T; backward dX = dY W, dW += dY^T X (fp32, accumulating). `linear` names a block
+  // linear (Fp8Linears' numbering, 0 qkv .. 3 MLP down), which runs in FP8 when the runner has it; the LM
+  // head passes kHead.
+  static constexpr int kHead = -1;
+  void linear_forward(bf16* y, const bf16* x, size_t w, int N, int IC, int OC, int layer, int linear);
+  void linear_backward(bf16* dx, const bf16* dy, const bf16* x, size_t w, int N, int IC, int OC, int layer,
+                       int linear);
 
   std::unique_ptr<CublasLt> cublas_;
+  std::unique_ptr<Fp8Linears> fp8_;  // null in bf16
   std::vector<LayerActivations> layers_;
   bf16* output_ = nullptr;        // residual stream after the last layer [N, C]
   bf16* normf_ = nullptr;         // [N, C]
@@ -122,9 +142,11 @@ void UnfusedRunner::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&scratch_.column_sums.tickets, unfused::column_sum_tickets(max_cols), scratch);
   scratch_.column_sums.max_cols = max_cols;
   if (c.rope()) plan.reserve(&scratch_.rope_table, static_cast<size_t>(state_.max_seq_len()) * c.head_dim() / 2, scratch);
+  if (fp8_ != nullptr) fp8_->plan(plan);
 }
 
 void UnfusedRunner::upload_tables() {
+  if (fp8_ != nullptr) fp8_->upload_initial_scales();
   if (!config_.rope()) return;
   const std::vector<float2> table = unfused::rope_table(state_.max_seq_len(), config_.head_dim(), config_.rope_theta);
   CUDA_CHECK(cudaMemcpyAsync(scratch_.rope_table, table.data(), table.size() * sizeof(float2), cudaMemcpyHostToDevice,
@@ -153,15 +175,15 @@ void UnfusedRunner::norm_backward(bf16* dx, const bf16* dy, const bf16* x, size_
                               scratch_.norm_partials, scratch_.column_sums, stream_);
 }
 
-void UnfusedRunner::linear_forward(bf16* y, const bf16* x, size_t w, int N, int IC, int OC) {
+void UnfusedRunner::linear_forward(bf16* y, const bf16* x, size_t w, int N, int IC, int OC, int layer, int linear) {
+  if (fp8_ != nullptr && linear != kHead) return fp8_->forward(y, x, layer, linear, w, N, IC, OC, io.training);
   cublas_->gemm(y, x, Op::N, weight(w), Op::T, N, OC, IC, false, stream_);
 }
 
-void UnfusedRunner::linear_dgrad(bf16* dx, const bf16* dy, size_t w, int N, int IC, int OC) {
+void UnfusedRunner::linear_backward(bf16* dx, const bf16* dy, const bf16* x, size_t w, int N, int IC, int OC,
+                                    int layer, int linear) {
+  if (fp8_ != nullptr && linear != kHead) return fp8_->backward(dx, dy, x, layer, linear, w, N, IC, OC);
   cublas_->gemm(dx, dy, Op::N, weight(w), Op::N, N, IC, OC, false, stream_);
-}
-
-void UnfusedRunner::linear_wgrad(size_t w, const bf16* dy, const bf16* x, int N, int IC, int OC) {
   cublas_->gemm(grad(w), dy, Op::T, x, Op::N, OC, IC, N, true, stream_);
 }
 
@@ -189,24 +211,24 @@ void UnfusedRunner::block_forward(int layer, int B, int T) {
   bf16* proj = scratch_.proj;
 
   norm_forward(a.norm1, a.norm1_mean, a.norm1_rstd, a.input, p.norm1_w, p.norm1_b, N);
-  linear_forward(a.qkv, a.norm1, p.qkv_w, N, C, Q);
+  linear_forward(a.qkv, a.norm1, p.qkv_w, N, C, Q, layer, 0);
   if (config_.qkv_bias) unfused::bias_add(a.qkv, weight(p.qkv_b), N, Q, stream_);
   if (config_.rope())
     unfused::rope(a.qkv, scratch_.rope_table, B, T, config_.n_head, config_.n_kv_head, config_.head_dim(), false,
                   stream_);
   attention_forward(a.attn, a.lse, a.qkv, attention_shape(B, T), stream_);
-  linear_forward(proj, a.attn, p.attn_proj_w, N, C, C);
+  linear_forward(proj, a.attn, p.attn_proj_w, N, C, C, layer, 1);
   if (config_.proj_bias) unfused::bias_add(proj, weight(p.attn_proj_b), N, C, stream_);
   unfused::residual_add(a.mid, a.input, proj, static_cast<size_t>(N) * C, stream_);
 
   norm_forward(a.norm2, a.norm2_mean, a.norm2_rstd, a.mid, p.norm2_w, p.norm2_b, N);
-  linear_forward(a.up, a.norm2, p.mlp_up_w, N, C, U);
+  linear_forward(a.up, a.norm2, p.mlp_up_w, N, C, U, layer, 2);
   if (config_.mlp_bias) unfused::bias_add(a.up, weight(p.mlp_up_b), N, U, stream_);
   if (config_.mlp == Mlp::Gelu)
     unfused::gelu_forward(a.act, a.up, static_cast<size_t>(N) * F, stream_);
   else
     unfused::swiglu_forward(a.act, a.up, N, F, stream_);
-  linear_forward(proj, a.act, p.mlp_down_w, N, F, C);
+  linear_forward(proj, a.act, p.mlp_down_w, N, F, C, layer, 3);
   if (config_.mlp_bias) unfused::bias_add(proj, weight(p.mlp_down_b), N, C, stream_);
   unfused::residual_add(layer_output(layer), a.mid, proj, static_cast<size_t>(N) * C, stream_);
 }
@@ -214,7 +236,7 @@ void UnfusedRunner::block_forward(int layer, int B, int T) {
 void UnfusedRunner::head_forward(int B, int T) {
   const int N = B * T;
   norm_forward(normf_, normf_mean_, normf_rstd_, output_, layout_.normf_w, layout_.normf_b, N);
-  linear_forward(io.logits, normf_, layout_.head_weight(), N, config_.d_model, config_.padded_vocab());
+  linear_forward(io.logits, normf_, layout_.head_weight(), N, config_.d_model, config_.padded_vocab(), 0, kHead);
 }
 
 void UnfusedRunner::loss_forward(int B, int T) {
@@ -227,8 +249,7 @@ void UnfusedRunner::head_backward(int B, int T, float dloss) {
   unfused::crossentropy_backward(io.logits, io.logits, io.logits_lse, io.targets, dloss, N,
                                  config_.vocab_size, V, stream_);
   const bf16* dlogits = io.logits;
-  linear_dgrad(scratch_.d_norm, dlogits, layout_.head_weight(), N, C, V);
-  linear_wgrad(layout_.head_weight(), dlogits, normf_, N, C, V);
+  linear_backward(scratch_.d_norm, dlogits, normf_, layout_.head_weight(), N, C, V, 0, kHead);
   norm_backward(scratch_.d_residual, scratch_.d_norm, output_, layout_.normf_w, layout_.normf_b,
                 normf_mean_, normf_rstd_, N, false);
 }
@@ -239,29 +260,25 @@ void UnfusedRunner::block_backward(int layer, int B, int T) {
   const LayerParams& p = layout_.layers[layer];
   bf16* d_residual = scratch_.d_residual;  // holds the gradient of this layer's output
 
-  linear_dgrad(scratch_.d_act, d_residual, p.mlp_down_w, N, F, C);
-  linear_wgrad(p.mlp_down_w, d_residual, a.act, N, F, C);
+  linear_backward(scratch_.d_act, d_residual, a.act, p.mlp_down_w, N, F, C, layer, 3);
   if (config_.mlp_bias) unfused::column_sum(grad(p.mlp_down_b), d_residual, N, C, C, scratch_.column_sums, stream_);
   bf16* d_up = config_.mlp == Mlp::Gelu ? scratch_.d_act : scratch_.d_up;
   if (config_.mlp == Mlp::Gelu)
     unfused::gelu_backward(d_up, scratch_.d_act, a.up, static_cast<size_t>(N) * F, stream_);
   else
     unfused::swiglu_backward(d_up, scratch_.d_act, a.up, N, F, stream_);
-  linear_dgrad(scratch_.d_norm, d_up, p.mlp_up_w, N, C, U);
-  linear_wgrad(p.mlp_up_w, d_up, a.norm2, N, C, U);
+  linear_backward(scratch_.d_norm, d_up, a.norm2, p.mlp_up_w, N, C, U, layer, 2);
   if (config_.mlp_bias) unfused::column_sum(grad(p.mlp_up_b), d_up, N, U, U, scratch_.column_sums, stream_);
   norm_backward(d_residual, scratch_.d_norm, a.mid, p.norm2_w, p.norm2_b, a.norm2_mean, a.norm2_rstd, N, true);
 
-  linear_dgrad(scratch_.d_attn, d_residual, p.attn_proj_w, N, C, C);
-  linear_wgrad(p.attn_proj_w, d_residual, a.attn, N, C, C);
+  linear_backward(scratch_.d_attn, d_residual, a.attn, p.attn_proj_w, N, C, C, layer, 1);
   if (config_.proj_bias) unfused::column_sum(grad(p.attn_proj_b), d_residual, N, C, C, scratch_.column_sums, stream_);
   attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
                      attention_shape(B, T), stream_);
   if (config_.rope())
     unfused::rope(scratch_.d_qkv, scratch_.rope_table, B, T, config_.n_head, config_.n_kv_head, config_.head_dim(),
                   true, stream_);
-  linear_dgrad(scratch_.d_norm, scratch_.d_qkv, p.qkv_w, N, C, Q);
-  linear_wgrad(p.qkv_w, scratch_.d_qkv, a.norm1, N, C, Q);
+  linear_backward(scratch_.d_norm, scratch_.d_qkv, a.norm1, p.qkv_w, N, C, Q, layer, 0);
   if (config_.qkv_bias) unfused::column_sum(grad(p.qkv_b), scratch_.d_qkv, N, Q, Q, scratch_.column_sums, stream_);
   norm_backward(d_residual, scratch_.d_norm, a.input, p.norm1_w, p.norm1_b, a.norm1_mean, a.norm1_rstd, N, true);
 }
@@ -270,6 +287,8 @@ void UnfusedRunner::embedding_backward(int B, int T) { embedding_backward_from(s
 
 }  // namespace
 
-std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state) { return std::make_unique<UnfusedRunner>(state); }
+std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state, const std::optional<Fp8Recipe>& fp8) {
+  return std::make_unique<UnfusedRunner>(state, fp8);
+}
 
 }  // namespace coda

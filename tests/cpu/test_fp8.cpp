@@ -90,40 +90,78 @@ TEST(Fp8, EncodeRoundsToNearestEvenAndSaturatesLikeCuda) {
 
 TEST(Fp8, DelayedScaleFollowsTheAmaxHistoryAndRefusesOverflow) {
   coda::Fp8DelayedScale scale(Fp8Format::E4M3, 3, 1);
-  scale.update();
   EXPECT_EQ(scale.scale(), 1.0f);  // nothing seen yet
   const float amaxes[] = {2.0f, 8.0f, 1.0f, 0.5f, 0.25f};
   const float expected[] = {448.0f / 2 / 2, 448.0f / 8 / 2, 448.0f / 8 / 2, 448.0f / 8 / 2, 448.0f / 1 / 2};
   for (int step = 0; step < 5; ++step) {
-    scale.record(amaxes[step], step, "h.0.qkv input");
-    scale.update();
+    scale.record(amaxes[step], "layer 0 qkv input");
+    scale.update(step);
     EXPECT_EQ(scale.scale(), expected[step]) << "step " << step;
     // This step's tensor, quantized with its own scale, stays inside the format.
     EXPECT_LE(amaxes[step] * scale.scale(), coda::fp8_largest(Fp8Format::E4M3));
   }
   // Several records of one step (gradient accumulation's micro-batches): the step's amax is their max.
   coda::Fp8DelayedScale accumulated(Fp8Format::E5M2, 2);
-  for (float amax : {1.0f, 4.0f, 2.0f}) accumulated.record(amax, 0, "dy");
-  accumulated.update();
+  for (float amax : {1.0f, 4.0f, 2.0f}) accumulated.record(amax, "dy");
+  accumulated.update(0);
   EXPECT_EQ(accumulated.scale(), 57344.0f / 4.0f);
-  accumulated.record(0.5f, 1, "dy");  // a new step starts its slot afresh; the history still holds step 0
-  accumulated.update();
+  accumulated.record(0.5f, "dy");  // a new step starts its slot afresh; the history still holds step 0
+  accumulated.update(1);
   EXPECT_EQ(accumulated.scale(), 57344.0f / 4.0f);
-  accumulated.record(0.5f, 2, "dy");  // step 0 has left the two-step history
-  accumulated.update();
+  accumulated.record(0.5f, "dy");  // step 0 has left the two-step history
+  accumulated.update(2);
   EXPECT_EQ(accumulated.scale(), 57344.0f / 0.5f);
   for (float bad : {INFINITY, std::nanf(""), -1.0f}) {
     try {
-      scale.record(bad, 7, "h.3.mlp_down dgrad");
+      scale.record(bad, "layer 3 mlp_down output gradient");
       ADD_FAILURE() << "amax " << bad << " was accepted";
     } catch (const std::runtime_error& e) {
       const std::string what = e.what();
-      EXPECT_NE(what.find("h.3.mlp_down dgrad"), std::string::npos) << what;
-      EXPECT_NE(what.find("step 7"), std::string::npos) << what;
+      EXPECT_NE(what.find("layer 3 mlp_down output gradient"), std::string::npos) << what;
     }
   }
   EXPECT_EQ(scale.scale(), expected[4]);  // a refused amax leaves the scale
   EXPECT_THROW(coda::Fp8DelayedScale(Fp8Format::E5M2, 0), std::invalid_argument);
+  EXPECT_THROW(scale.update(-1), std::invalid_argument);
+}
+
+// A checkpoint keeps the history alone: a scale restored from it continues exactly as the original.
+TEST(Fp8, DelayedScaleRestoredFromItsHistoryContinuesIdentically) {
+  coda::Fp8DelayedScale original(Fp8Format::E5M2, 4, 2);
+  coda::Rng rng(5);
+  for (int step = 0; step < 6; ++step) {
+    original.record(static_cast<float>(rng.uniform() * 3.0), "x");
+    original.update(step);
+  }
+  coda::Fp8DelayedScale restored(Fp8Format::E5M2, 4, 2);
+  restored.restore(original.history().data());
+  EXPECT_EQ(restored.scale(), original.scale());
+  for (int step = 6; step < 12; ++step) {
+    const float amax = step == 8 ? 0.0f : static_cast<float>(rng.uniform() * 3.0);
+    original.record(amax, "x");
+    restored.record(amax, "x");
+    original.update(step);
+    restored.update(step);
+    EXPECT_EQ(restored.scale(), original.scale()) << "step " << step;
+  }
+  EXPECT_EQ(restored.history(), original.history());
+}
+
+// The one order of the scaled tensors: roles, then layers, then linears; every index named once.
+TEST(Fp8, TensorIndicesCoverEveryTensorOnce) {
+  const int n_layer = 3;
+  std::vector<int> seen(coda::fp8_tensor_count(n_layer), 0);
+  for (coda::Fp8Role role : {coda::Fp8Role::Input, coda::Fp8Role::Weight, coda::Fp8Role::OutputGrad})
+    for (int layer = 0; layer < n_layer; ++layer)
+      for (int linear = 0; linear < coda::kFp8Linears; ++linear) ++seen[coda::fp8_tensor_index(role, layer, linear, n_layer)];
+  for (int count : seen) EXPECT_EQ(count, 1);
+  EXPECT_EQ(coda::fp8_tensor_name(coda::fp8_tensor_index(coda::Fp8Role::OutputGrad, 2, 3, n_layer), n_layer),
+            "layer 2 mlp_down output gradient");
+  EXPECT_EQ(coda::fp8_tensor_name(coda::fp8_tensor_index(coda::Fp8Role::Input, 1, 0, n_layer), n_layer),
+            "layer 1 qkv input");
+  EXPECT_EQ(coda::fp8_role_format(coda::Fp8Role::Weight), Fp8Format::E4M3);
+  EXPECT_EQ(coda::fp8_role_format(coda::Fp8Role::OutputGrad), Fp8Format::E5M2);
+  EXPECT_THROW(coda::fp8_tensor_name(coda::fp8_tensor_count(n_layer), n_layer), std::out_of_range);
 }
 
 }  // namespace

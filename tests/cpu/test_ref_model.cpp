@@ -359,39 +359,79 @@ TEST(CpuBackend, AdamWStepsLowerTheLossOnAFixedBatch) {
 
 }  // namespace
 
-// FP8 emulation (RefModel::enable_fp8), the specification of an FP8 training mode: every architecture
+// FP8 emulation (RefModel::enable_fp8), the specification of the FP8 training mode: every architecture
 // trained 15 AdamW steps on one fixed batch in fp32 and in emulated FP8 (delayed scaling, history 16,
-// margin 0) from the same weights. The quantization is really there (the first losses differ, as the
-// scales start at 1 and the weights lose bits), and the FP8 run ends within 0.5% of the fp32 loss, both
-// well below where they started (2026-12-04: 3.169 / 3.169 gpt2, 3.169 / 3.171 llama, 3.242 / 3.244 qwen2
-// from about 4.6).
+// margin 0) from the same weights. The first step calibrates (fp32, the amax recorded: the same loss);
+// from the second the quantization is really there (the losses differ), and the FP8 run ends within 0.5%
+// of the fp32 loss, both well below where they started.
 TEST(RefModel, Fp8EmulationTracksFp32Training) {
   for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
-    const int B = 2, T = 7;
+    const int B = 2, T = 7, steps = 15;
     Rng rng(31);
     const Batch batch = random_batch(B, T, config.vocab_size, rng);
-    std::vector<float> last(2), first(2);
+    std::vector<std::vector<float>> losses(2);
     for (int fp8 = 0; fp8 < 2; ++fp8) {
       ref::RefModel model(config, B, T);
       model.init(31);
-      if (fp8) model.enable_fp8(16, 0);
+      if (fp8) model.enable_fp8(coda::Fp8Recipe{16, 0});
       std::vector<float> m(model.layout.total, 0.0f), v(model.layout.total, 0.0f);
       coda::AdamWHyper hyper;
       hyper.lr = 2e-3f;
-      for (int step = 1; step <= 15; ++step) {
+      for (int step = 1; step <= steps; ++step) {
         model.zero_grad();
-        const float loss = model.forward(batch.tokens.data(), batch.targets.data(), B, T);
+        losses[fp8].push_back(model.forward(batch.tokens.data(), batch.targets.data(), B, T, true));
         model.backward(1.0f);
+        if (fp8) model.fp8_end_step(step - 1);
         coda::adamw_update(model.layout, model.params.data(), model.grads.data(), m.data(), v.data(), hyper, step,
                            1.0f);
-        if (fp8) model.fp8_end_step();
-        if (step == 1) first[fp8] = loss;
-        last[fp8] = loss;
       }
     }
     const std::string name = arch_name(config.arch);
-    EXPECT_NE(first[0], first[1]) << name << ": the FP8 forward differs from the fp32 one";
-    EXPECT_LT(last[0], first[0] - 1.0f) << name;
-    EXPECT_NEAR(last[1], last[0], 0.005 * last[0]) << name;
+    EXPECT_EQ(losses[1][0], losses[0][0]) << name << ": the calibration step computes in fp32";
+    EXPECT_NE(losses[1][1], losses[0][1]) << name << ": from the second step the linears are FP8";
+    EXPECT_LT(losses[0].back(), losses[0].front() - 1.0f) << name;
+    EXPECT_NEAR(losses[1].back(), losses[0].back(), 0.005 * losses[0].back()) << name;
   }
+}
+
+// An evaluation forward quantizes with the scales as they are and records nothing: the state after it is
+// the state before, and the scaling state read back and loaded into a fresh model continues identically.
+TEST(RefModel, Fp8EvaluationLeavesTheScalesAndTheStateRoundTrips) {
+  const ModelConfig config = llama_config();
+  const int B = 2, T = 7;
+  Rng rng(8);
+  const Batch batch = random_batch(B, T, config.vocab_size, rng), other = random_batch(B, T, config.vocab_size, rng);
+  ref::RefModel model(config, B, T);
+  model.init(8);
+  model.enable_fp8(coda::Fp8Recipe{4, 1});
+  EXPECT_TRUE(model.fp8_state().empty()) << "no state before the first step closes";
+  for (int step = 0; step < 3; ++step) {
+    model.forward(batch.tokens.data(), batch.targets.data(), B, T, true);
+    model.backward(1.0f);
+    model.fp8_end_step(step);
+  }
+  const coda::Fp8ScalingState state = model.fp8_state();
+  ASSERT_EQ(state.amax.size(), static_cast<size_t>(coda::fp8_tensor_count(config.n_layer)) * 4);
+  const float eval_loss = model.forward(other.tokens.data(), other.targets.data(), B, T);
+  model.fp8_end_step(3);  // a step in which only an evaluation ran records zeros
+  coda::Fp8ScalingState after_eval = model.fp8_state();
+  for (size_t t = 0; t < after_eval.amax.size(); t += 4) EXPECT_EQ(after_eval.amax[t + 3], 0.0f) << "tensor " << t / 4;
+
+  ref::RefModel restored(config, B, T);
+  restored.params = model.params;
+  restored.enable_fp8(coda::Fp8Recipe{4, 1});
+  restored.load_fp8_state(after_eval);
+  EXPECT_EQ(restored.fp8_state().amax, after_eval.amax);
+  const float again = model.forward(other.tokens.data(), other.targets.data(), B, T);
+  EXPECT_EQ(again, eval_loss) << "the evaluation changed the scales";
+  EXPECT_EQ(restored.forward(other.tokens.data(), other.targets.data(), B, T), again);
+
+  coda::Fp8ScalingState wrong = state;
+  wrong.history = 8;
+  EXPECT_THROW(restored.load_fp8_state(wrong), std::invalid_argument);
+  wrong = state;
+  wrong.amax.pop_back();
+  EXPECT_THROW(restored.load_fp8_state(wrong), std::invalid_argument);
+  ref::RefModel fp32(config, B, T);
+  EXPECT_THROW(fp32.load_fp8_state(state), std::invalid_argument);
 }

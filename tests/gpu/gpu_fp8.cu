@@ -140,8 +140,8 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
     unsigned int expected_flag = 0;
     for (int t = 0; t < count; ++t) {
       try {
-        host[t].record(amax[step][t], step, "tensor " + std::to_string(t));
-        host[t].update();
+        host[t].record(amax[step][t], "tensor " + std::to_string(t));
+        host[t].update(step);
       } catch (const std::runtime_error&) {
         if (expected_flag == 0) expected_flag = t + 1;
       }
@@ -166,14 +166,18 @@ TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
     return q;
   };
   coda::CublasLt cublas;
-  for (Fp8Format b_format : {Fp8Format::E4M3, Fp8Format::E5M2}) {
-    const std::vector<uint8_t> a = codes(static_cast<size_t>(M) * K, Fp8Format::E4M3), b = codes(static_cast<size_t>(N) * K, b_format);
+  // The format pairs the FP8 linears use: forward e4m3 x e4m3, dgrad and wgrad e5m2 (gradient) x e4m3.
+  const std::pair<Fp8Format, Fp8Format> pairs[] = {
+      {Fp8Format::E4M3, Fp8Format::E4M3}, {Fp8Format::E4M3, Fp8Format::E5M2}, {Fp8Format::E5M2, Fp8Format::E4M3}};
+  for (const auto& [a_format, b_format] : pairs) {
+    const std::string formats = std::string(coda::fp8_format_name(a_format)) + " x " + coda::fp8_format_name(b_format);
+    const std::vector<uint8_t> a = codes(static_cast<size_t>(M) * K, a_format), b = codes(static_cast<size_t>(N) * K, b_format);
     const float dequant[2] = {1.0f / 300.0f, 1.0f / 7000.0f};
     std::vector<double> expected(static_cast<size_t>(M) * N), magnitude(expected.size());
     for (int m = 0; m < M; ++m)
       for (int n = 0; n < N; ++n)
         for (int k = 0; k < K; ++k) {
-          const double term = static_cast<double>(coda::fp8_decode(a[m * K + k], Fp8Format::E4M3)) *
+          const double term = static_cast<double>(coda::fp8_decode(a[m * K + k], a_format)) *
                               coda::fp8_decode(b[n * K + k], b_format) * dequant[0] * dequant[1];
           expected[m * N + n] += term;
           magnitude[m * N + n] += std::fabs(term);
@@ -191,8 +195,8 @@ TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
     CUDA_CHECK(cudaMemcpy(dscale, dequant, sizeof(dequant), cudaMemcpyHostToDevice));
     const std::vector<float> start(expected.size(), 0.5f);  // fp32 D accumulates onto it
     CUDA_CHECK(cudaMemcpy(dd, start.data(), start.size() * sizeof(float), cudaMemcpyHostToDevice));
-    cublas.gemm_fp8(dd, da, Fp8Format::E4M3, dscale, db, b_format, dscale + 1, M, N, K, true, nullptr);
-    cublas.gemm_fp8(dh, da, Fp8Format::E4M3, dscale, db, b_format, dscale + 1, M, N, K, false, nullptr);
+    cublas.gemm_fp8(dd, da, a_format, dscale, db, b_format, dscale + 1, M, N, K, true, nullptr);
+    cublas.gemm_fp8(dh, da, a_format, dscale, db, b_format, dscale + 1, M, N, K, false, nullptr);
     std::vector<float> d(expected.size());
     std::vector<bf16> h(expected.size());
     CUDA_CHECK(cudaMemcpy(d.data(), dd, d.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -202,8 +206,8 @@ TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
       worst_fp32 = std::fmax(worst_fp32, std::fabs(d[i] - 0.5 - expected[i]) / (magnitude[i] + 1e-30));
       worst_bf16 = std::fmax(worst_bf16, std::fabs(__bfloat162float(h[i]) - expected[i]) / (magnitude[i] + 1e-30));
     }
-    EXPECT_LT(worst_fp32, 1e-4) << coda::fp8_format_name(b_format);  // fp32 accumulation, relative to sum |terms|
-    EXPECT_LT(worst_bf16, 8e-3) << coda::fp8_format_name(b_format);  // plus bf16's rounding of the output
+    EXPECT_LT(worst_fp32, 1e-4) << formats;  // fp32 accumulation, relative to sum |terms|
+    EXPECT_LT(worst_bf16, 8e-3) << formats;  // plus bf16's rounding of the output
     for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dd), static_cast<void*>(dh),
                     static_cast<void*>(dscale)})
       CUDA_CHECK(cudaFree(p));

@@ -1,0 +1,168 @@
+// The FP8 block linears of the unfused mode; see fp8_linears.hpp.
+#include "fp8_linears.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/unfused/unfused.cuh"
+
+namespace coda {
+
+namespace {
+
+// (IC, OC) of linear 0 qkv, 1 attention output, 2 MLP up, 3 MLP down.
+std::pair<int, int> linear_shape(const ModelConfig& c, int linear) {
+  switch (linear) {
+    case 0: return {c.d_model, c.qkv_dim()};
+    case 1: return {c.d_model, c.d_model};
+    case 2: return {c.d_model, c.mlp_up_rows()};
+    default: return {c.d_ff, c.d_model};
+  }
+}
+
+}  // namespace
+
+Fp8Linears::Fp8Linears(DeviceState& state, CublasLt& cublas, const Fp8Recipe& recipe)
+    : state_(state), cublas_(cublas), recipe_(recipe), count_(fp8_tensor_count(state.config().n_layer)) {
+  for (int linear = 0; linear < kFp8Linears; ++linear) {
+    const auto [IC, OC] = linear_shape(state.config(), linear);
+    if (IC % 16 != 0 || OC % 16 != 0)
+      throw std::invalid_argument("precision = fp8: the FP8 GEMMs need every linear's widths to be multiples of 16; " +
+                                  std::string(fp8_linear_name(linear)) + " is " + std::to_string(OC) + " x " +
+                                  std::to_string(IC));
+  }
+  CUDA_CHECK(cudaMallocHost(&host_bad_, sizeof(unsigned int)));
+}
+
+void Fp8Linears::plan(ArenaPlan& plan) {
+  const ModelConfig& c = state_.config();
+  const size_t N = static_cast<size_t>(state_.max_batch()) * state_.max_seq_len();
+  const std::string scaling = "fp8 scaling", weights = "fp8 weight copies", saved = "activations saved for backward",
+                    scratch = "scratch";
+  plan.reserve(&scales_, count_, scaling);
+  plan.reserve(&dequants_, count_, scaling);
+  plan.reserve(&history_, static_cast<size_t>(count_) * recipe_.history, scaling);
+  plan.reserve(&amax_, count_, scaling);
+  plan.reserve(&eval_amax_, count_, scaling);
+  plan.reserve(&bad_, 1, scaling);
+  linears_.assign(kFp8Linears * c.n_layer, Linear{});
+  size_t max_ic = 0, max_oc = 0;
+  for (int layer = 0; layer < c.n_layer; ++layer)
+    for (int linear = 0; linear < kFp8Linears; ++linear) {
+      const auto [IC, OC] = linear_shape(c, linear);
+      Linear& l = linears_[kFp8Linears * layer + linear];
+      plan.reserve(&l.wq, static_cast<size_t>(OC) * IC, weights);
+      plan.reserve(&l.wqT, static_cast<size_t>(OC) * IC, weights);
+      plan.reserve(&l.xqT, N * IC, saved);
+      max_ic = std::max<size_t>(max_ic, IC);
+      max_oc = std::max<size_t>(max_oc, OC);
+    }
+  plan.reserve(&xq_, N * max_ic, scratch);
+  plan.reserve(&dyq_, N * max_oc, scratch);
+  plan.reserve(&dyqT_, N * max_oc, scratch);
+}
+
+void Fp8Linears::upload_initial_scales() {
+  const std::vector<float> ones(count_, 1.0f);
+  const cudaStream_t stream = state_.stream();
+  CUDA_CHECK(cudaMemcpyAsync(scales_, ones.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(dequants_, ones.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+  state_.wait_stream();
+  calibrated_ = false;
+}
+
+Fp8Linears::~Fp8Linears() { cudaFreeHost(host_bad_); }
+
+void Fp8Linears::forward(bf16* y, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC,
+                         bool training) {
+  const cudaStream_t stream = state_.stream();
+  Linear& l = linears_[kFp8Linears * layer + linear];
+  const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear);
+  if (training && N % 16 != 0)
+    throw std::invalid_argument("precision = fp8: a training micro-batch needs B*T a multiple of 16, got " +
+                                std::to_string(N));
+  unfused::quantize_fp8_transposed(l.wqT, l.wq, amax(tw, training), state_.weight(w), OC, IC, scale(tw),
+                                   Fp8Format::E4M3, stream);
+  if (training)
+    unfused::quantize_fp8_transposed(l.xqT, xq_, amax(tx, true), x, N, IC, scale(tx), Fp8Format::E4M3, stream);
+  else
+    unfused::quantize_fp8(xq_, amax(tx, false), x, static_cast<size_t>(N) * IC, scale(tx), Fp8Format::E4M3, stream);
+  if (calibrated_)
+    cublas_.gemm_fp8(y, xq_, Fp8Format::E4M3, dequant(tx), l.wq, Fp8Format::E4M3, dequant(tw), N, OC, IC, false,
+                     stream);
+  else
+    cublas_.gemm(y, x, Op::N, state_.weight(w), Op::T, N, OC, IC, false, stream);
+}
+
+void Fp8Linears::backward(bf16* dx, const bf16* dy, const bf16* x, int layer, int linear, size_t w, int N, int IC,
+                          int OC) {
+  const cudaStream_t stream = state_.stream();
+  const Linear& l = linears_[kFp8Linears * layer + linear];
+  const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear),
+            tdy = tensor(Fp8Role::OutputGrad, layer, linear);
+  unfused::quantize_fp8_transposed(dyqT_, dyq_, amax(tdy, true), dy, N, OC, scale(tdy), Fp8Format::E5M2, stream);
+  if (!calibrated_) {
+    cublas_.gemm(dx, dy, Op::N, state_.weight(w), Op::N, N, IC, OC, false, stream);
+    cublas_.gemm(state_.grad(w), dy, Op::T, x, Op::N, OC, IC, N, true, stream);
+    return;
+  }
+  cublas_.gemm_fp8(dx, dyq_, Fp8Format::E5M2, dequant(tdy), l.wqT, Fp8Format::E4M3, dequant(tw), N, IC, OC, false,
+                   stream);
+  cublas_.gemm_fp8(state_.grad(w), dyqT_, Fp8Format::E5M2, dequant(tdy), l.xqT, Fp8Format::E4M3, dequant(tx), OC, IC,
+                   N, true, stream);
+}
+
+void Fp8Linears::close_step(int step, Communicator* comm) {
+  const cudaStream_t stream = state_.stream();
+  if (comm != nullptr) state_.all_reduce_max(*comm, amax_, count_);
+  CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
+  const int e4m3 = 2 * kFp8Linears * state_.config().n_layer;  // the inputs and weights come first (fp8.hpp)
+  unfused::fp8_update_scales(scales_, dequants_, history_, amax_, e4m3, recipe_.history, step, recipe_.margin,
+                             Fp8Format::E4M3, bad_, stream);
+  unfused::fp8_update_scales(scales_ + e4m3, dequants_ + e4m3, history_ + static_cast<size_t>(e4m3) * recipe_.history,
+                             amax_ + e4m3, count_ - e4m3, recipe_.history, step, recipe_.margin, Fp8Format::E5M2,
+                             bad_, stream);
+  CUDA_CHECK(cudaMemcpyAsync(host_bad_, bad_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream));
+  state_.wait_stream();
+  calibrated_ = true;
+  if (*host_bad_ != 0)
+    throw std::runtime_error("fp8: " + fp8_tensor_name(static_cast<int>(*host_bad_) - 1, state_.config().n_layer) +
+                             " had a non-finite amax in step " + std::to_string(step + 1) +
+                             " (an overflow or NaN upstream); the step is not applied");
+}
+
+Fp8ScalingState Fp8Linears::read_state() {
+  Fp8ScalingState state;
+  if (!calibrated_) return state;
+  state.history = recipe_.history;
+  state.amax.resize(static_cast<size_t>(count_) * recipe_.history);
+  CUDA_CHECK(cudaMemcpyAsync(state.amax.data(), history_, state.amax.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                             state_.stream()));
+  state_.wait_stream();
+  return state;
+}
+
+void Fp8Linears::load_state(const Fp8ScalingState& loaded) {
+  check_fp8_state(loaded, recipe_.history, state_.config().n_layer);
+  if (loaded.empty()) return;
+  // The scales follow from the history as the host's Fp8DelayedScale::restore computes them.
+  std::vector<float> scales(count_), dequants(count_);
+  for (int t = 0; t < count_; ++t) {
+    Fp8DelayedScale scale(fp8_tensor_format(t, state_.config().n_layer), recipe_.history, recipe_.margin);
+    scale.restore(loaded.amax.data() + static_cast<size_t>(t) * recipe_.history);
+    scales[t] = scale.scale();
+    dequants[t] = 1.0f / scales[t];
+  }
+  const cudaStream_t stream = state_.stream();
+  CUDA_CHECK(cudaMemcpyAsync(history_, loaded.amax.data(), loaded.amax.size() * sizeof(float), cudaMemcpyHostToDevice,
+                             stream));
+  CUDA_CHECK(cudaMemcpyAsync(scales_, scales.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(dequants_, dequants.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemsetAsync(amax_, 0, count_ * sizeof(float), stream));
+  state_.wait_stream();
+  calibrated_ = true;
+}
+
+}  // namespace coda
