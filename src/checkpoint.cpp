@@ -74,16 +74,35 @@ ModelConfig parse_config(const std::string& path) {
 }
 
 // trainer_state.json: step, data position, RNG words as decimal strings (JSON readers often hold numbers as
-// doubles) and the run config.
+// doubles), the run config, and "fp8": {"history": H, "amax": [...]} when there is a scaling state (a
+// float's JSON number is its double, which reads back to the same float).
 nlohmann::json state_json(const TrainerState& state) {
   nlohmann::json rng = nlohmann::json::array();
   for (uint64_t word : state.rng) rng.push_back(std::to_string(word));
-  return {{"format", "coda-trainer-state"},
-          {"version", 1},
-          {"step", state.step},
-          {"data_position", state.data_position},
-          {"rng", rng},
-          {"run_config", state.run_config}};
+  nlohmann::json json = {{"format", "coda-trainer-state"},
+                         {"version", 1},
+                         {"step", state.step},
+                         {"data_position", state.data_position},
+                         {"rng", rng},
+                         {"run_config", state.run_config}};
+  if (!state.fp8.empty()) json["fp8"] = {{"history", state.fp8.history}, {"amax", state.fp8.amax}};
+  return json;
+}
+
+Fp8ScalingState parse_fp8_state(const nlohmann::json& json, const std::string& path) {
+  const JsonReader in{json, path + " fp8"};
+  Fp8ScalingState state;
+  state.history = in.get_int("history");
+  in.require("history", state.history >= 1, "must be >= 1");
+  in.require("amax", in.has("amax") && json.at("amax").is_array() && !json.at("amax").empty() &&
+                         json.at("amax").size() % state.history == 0,
+             "must be a non-empty array of tensors x history numbers");
+  for (const nlohmann::json& value : json.at("amax")) {
+    in.require("amax", value.is_number() && std::isfinite(value.get<double>()) && value.get<double>() >= 0.0,
+               "must hold finite non-negative numbers, got " + value.dump());
+    state.amax.push_back(value.get<float>());
+  }
+  return state;
 }
 
 TrainerState parse_state(const std::string& path) {
@@ -97,6 +116,10 @@ TrainerState parse_state(const std::string& path) {
   in.require("data_position", json.contains("data_position"), "is missing");
   state.data_position = json.at("data_position");
   state.run_config = in.get_string("run_config", "");
+  if (json.contains("fp8")) {
+    in.require("fp8", json.at("fp8").is_object(), "must be an object");
+    state.fp8 = parse_fp8_state(json.at("fp8"), path);
+  }
   in.require("rng", in.has("rng") && json.at("rng").is_array() && json.at("rng").size() == 4,
              "must be an array of 4 decimal strings");
   for (size_t i = 0; i < 4; ++i) {

@@ -2,7 +2,8 @@
 //   config.json          GPT2LMHeadModel / LlamaForCausalLM names, unpadded vocabulary
 //   model.safetensors    fp32 weights in HF names and layouts (GPT-2 Conv1D matrices transposed, Llama q/k
 //                        rows permuted to HF's rotate-half RoPE convention, gate/up split, vocab unpadded)
-//   trainer_state.json   step, data-loader position, RNG state, the effective run config
+//   trainer_state.json   step, data-loader position, RNG state, the effective run config, and in FP8 the
+//                        amax histories of delayed scaling
 //   optimizer.safetensors  fp32 master weights and AdamW moments in the trainer's flat layout
 // It is written atomically: everything goes to DIR.tmp, then DIR.tmp is renamed to DIR (an older DIR is
 // replaced only after the new one is complete).
@@ -15,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fp8.hpp"
 #include "model.hpp"
 
 namespace coda {
@@ -24,6 +26,7 @@ struct TrainerState {
   nlohmann::json data_position;     // DataLoader::position()
   std::array<uint64_t, 4> rng{};    // Rng::state()
   std::string run_config;           // config_to_toml() of the run that wrote it
+  Fp8ScalingState fp8;              // empty for a bf16 run
 };
 
 struct Checkpoint {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 namespace coda {
@@ -88,6 +89,26 @@ void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, i
                                 " amax values; a model of " + std::to_string(n_layer) + " layers has " +
                                 std::to_string(expected) + " (" + std::to_string(fp8_tensor_count(n_layer)) +
                                 " tensors x " + std::to_string(state.history) + " steps)");
+}
+
+float fp8_round(float x, Fp8Format format) {
+  if (std::isnan(x)) return x;
+  const Layout l = layout(format);
+  const float a = std::fabs(x), largest = fp8_largest(format);
+  if (a >= largest) return std::copysign(largest, x);
+  const int min_exponent = 1 - l.bias;
+  float r;
+  if (a < std::ldexp(1.0f, min_exponent)) {  // the subnormals' fixed unit; scaling by powers of two is exact
+    r = std::ldexp(std::nearbyint(std::ldexp(a, l.mantissa_bits - min_exponent)), min_exponent - l.mantissa_bits);
+  } else {  // round the float's mantissa to mantissa_bits, ties to even; a carry moves into the exponent
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof(bits));
+    const int drop = 23 - l.mantissa_bits;
+    bits += (1u << (drop - 1)) - 1 + ((bits >> drop) & 1u);
+    bits &= ~((1u << drop) - 1);
+    std::memcpy(&r, &bits, sizeof(r));
+  }
+  return std::copysign(r, x);  // below largest, the rounding cannot pass it
 }
 
 Fp8DelayedScale::Fp8DelayedScale(Fp8Format format, int history, int margin)

@@ -26,6 +26,8 @@ const char* fp8_format_name(Fp8Format format);
 float fp8_largest(Fp8Format format);  // the largest finite value
 uint8_t fp8_encode(float x, Fp8Format format);
 float fp8_decode(uint8_t code, Fp8Format format);
+// fp8_decode(fp8_encode(x)) without the code, by rounding x's float bits: the emulation's inner loop.
+float fp8_round(float x, Fp8Format format);
 
 // precision = "fp8": delayed scaling over `history` steps with `margin` powers of two of headroom.
 struct Fp8Recipe {

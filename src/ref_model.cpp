@@ -129,7 +129,7 @@ std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8Role role, in
   const Fp8Format format = fp8_role_format(role);
   const float s = scale.scale();
   std::vector<float> copy(n);
-  for (size_t i = 0; i < n; ++i) copy[i] = fp8_decode(fp8_encode(x[i] * s, format), format) / s;
+  for (size_t i = 0; i < n; ++i) copy[i] = fp8_round(x[i] * s, format) / s;
   return copy;
 }
 

@@ -304,6 +304,24 @@ std::string resolve_val_data(const std::string& val_data, const std::string& tra
                               "; set val_data to a glob of validation shards, or to \"\" for no validation");
 }
 
+namespace {
+// A resumed run's FP8 scaling state: continued when the run is fp8 with the same history; a bf16 checkpoint
+// resumed in fp8 starts with a calibration step, and an fp8 one resumed in bf16 leaves its state unused.
+void load_fp8_state(Backend& backend, const RunConfig& config, const Fp8ScalingState& state, const std::string& dir) {
+  if (!config.fp8()) {
+    if (!state.empty()) spdlog::info("resume {}: precision = bf16, the checkpoint's fp8 scaling state is not used", dir);
+    return;
+  }
+  if (state.empty()) spdlog::info("resume {}: no fp8 scaling state (a bf16 run); the first step calibrates", dir);
+  try {
+    backend.load_fp8_state(state);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error("resume " + dir + ": " + e.what() + " (resume with fp8_history = " +
+                             std::to_string(state.history) + ")");
+  }
+}
+}  // namespace
+
 TrainResult train(const RunConfig& requested, Communicator* comm) {
   const RunConfig config = effective_run_config(requested);
   const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
@@ -354,6 +372,7 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
   if (resumed.has_trainer_state) {
     backend->load_params(resumed.params.data());
     backend->load_optimizer_state(resumed.adam_m.data(), resumed.adam_v.data());
+    load_fp8_state(*backend, config, resumed.state.fp8, resume_dir);
     step = resumed.state.step;
     train_data.restore(continued_position(resumed.state.data_position, train_data, plan));
     rng.set_state(resumed.state.rng);
@@ -416,6 +435,7 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
     state.data_position = train_data.position();
     state.rng = rng.state();
     state.run_config = effective;
+    state.fp8 = backend->read_fp8_state();
     const std::string dir = (out / ("step_" + std::to_string(at_step))).string();
     writer.start([dir, model, state, out, keep = config.keep_checkpoints, params = saved_params.data(),
                   m = saved_m.data(), v = saved_v.data()] {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,10 @@ coda::TrainerState sample_state() {
   state.data_position = {{"epoch", 3}, {"batch", 17}, {"order", {5, 1, 4}}};
   state.rng = {0xFFFFFFFFFFFFFFFFull, (1ull << 53) + 1, 0x8000000000000001ull, 42};
   state.run_config = "[optim]\nlr = 0.0003\nsteps = 5000\n";
+  // FP8 amax histories, with values a decimal text must carry exactly: a third, a subnormal, the largest
+  // float, zero.
+  state.fp8.history = 2;
+  state.fp8.amax = {1.0f / 3.0f, 1e-40f, std::numeric_limits<float>::max(), 0.0f, 448.0f, 6.1e-5f};
   return state;
 }
 
@@ -149,6 +154,8 @@ void expect_round_trip(const std::string& dir, const Saved& s) {
   EXPECT_EQ(loaded.state.data_position, s.state.data_position);
   EXPECT_EQ(loaded.state.rng, s.state.rng);
   EXPECT_EQ(loaded.state.run_config, s.state.run_config);
+  EXPECT_EQ(loaded.state.fp8.history, s.state.fp8.history);
+  EXPECT_TRUE(same_bits(loaded.state.fp8.amax, s.state.fp8.amax));
 }
 
 // Expects `action` to throw std::runtime_error whose message contains every one of `parts`.
@@ -664,6 +671,17 @@ TEST(Checkpoint, ErrorsNameTheFile) {
   restore();
   write_bytes(state, state_bytes.substr(0, state_bytes.size() / 2));
   expect_error(load, {state});
+  restore();
+  edited = nlohmann::json::parse(state_bytes);
+  edited["fp8"]["amax"][1] = -1.0;
+  write_bytes(state, edited.dump());
+  expect_error(load, {state, "fp8", "amax", "non-negative"});
+  edited["fp8"]["amax"] = {1.0, 2.0, 3.0};  // not whole histories of 2
+  write_bytes(state, edited.dump());
+  expect_error(load, {state, "fp8", "amax"});
+  edited["fp8"] = {{"amax", {1.0, 2.0}}};
+  write_bytes(state, edited.dump());
+  expect_error(load, {state, "fp8", "history"});
   restore();
   fs::remove(optimizer);
   expect_error(load, {optimizer, "missing"});

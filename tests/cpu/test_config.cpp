@@ -79,6 +79,9 @@ coda::RunConfig random_config(uint64_t seed) {
   c.grad_clip = static_cast<float>(rng.uniform() * 5);
   c.device = "cpu";
   c.kernels = "unfused";
+  c.precision = "fp8";
+  c.fp8_history = 1 + static_cast<int>(rng.below(64));
+  c.fp8_margin = static_cast<int>(rng.below(4));
   c.out = "runs/x y";
   c.seed = rng.next_u64();
   c.log_every = 1 + static_cast<int>(rng.below(100));
@@ -120,6 +123,9 @@ void expect_same(const coda::RunConfig& a, const coda::RunConfig& b) {
   EXPECT_EQ(a.grad_clip, b.grad_clip);
   EXPECT_EQ(a.device, b.device);
   EXPECT_EQ(a.kernels, b.kernels);
+  EXPECT_EQ(a.precision, b.precision);
+  EXPECT_EQ(a.fp8_history, b.fp8_history);
+  EXPECT_EQ(a.fp8_margin, b.fp8_margin);
   EXPECT_EQ(a.out, b.out);
   EXPECT_EQ(a.seed, b.seed);
   EXPECT_EQ(a.log_every, b.log_every);
@@ -320,6 +326,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"GlobalBatchNotAMultiple", "[data]\nglobal_batch = 10\nbatch_size = 4\n", "",
                  "a global batch of 10 sequences cannot be split over 1 ranks x batch_size 4"},
         BadInput{"BadKernels", "[run]\nkernels = \"fast\"\n", "", "kernels"},
+        BadInput{"BadPrecision", "", "--precision fp16", "precision must be bf16 or fp8"},
+        BadInput{"Fp8InTheCodaMode", "[run]\nprecision = \"fp8\"\nkernels = \"coda\"\n", "",
+                 "precision = fp8 runs in the unfused mode"},
+        BadInput{"Fp8HistoryZero", "", "--precision fp8 --fp8_history 0", "fp8_history must be in [1, 1024]"},
         BadInput{"BadDevice", "", "--device tpu", "device"},
         BadInput{"FileErrorsNameTheFile", "[model]\nbogus = 1\n", "", "bad.toml"},
         BadInput{"MissingConfigFile", nullptr, "", "bad.toml: file not found"},

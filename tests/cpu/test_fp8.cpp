@@ -83,8 +83,12 @@ TEST(Fp8, EncodeRoundsToNearestEvenAndSaturatesLikeCuda) {
       if (std::fabs(x) <= coda::fp8_largest(format)) {  // beyond: saturation, checked against CUDA above
         EXPECT_EQ(ours, nearest_code(x, format)) << coda::fp8_format_name(format) << " x = " << x;
       }
+      const float rounded = coda::fp8_round(x, format), decoded = coda::fp8_decode(ours, format);
+      EXPECT_EQ(rounded, decoded) << coda::fp8_format_name(format) << " fp8_round x = " << x;
+      EXPECT_EQ(std::signbit(rounded), std::signbit(decoded)) << coda::fp8_format_name(format) << " x = " << x;
     }
     EXPECT_TRUE(std::isnan(coda::fp8_decode(coda::fp8_encode(std::nanf(""), format), format)));
+    EXPECT_TRUE(std::isnan(coda::fp8_round(std::nanf(""), format)));
   }
 }
 

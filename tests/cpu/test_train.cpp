@@ -174,7 +174,8 @@ class Training : public testing::Test {
     return values;
   }
 
-  static float learn(coda::Arch arch, int steps);
+  static float learn(coda::Arch arch, int steps, const std::string& precision = "bf16");
+  static void expect_fp8_tracks(coda::Arch arch, int steps, float full_val_loss);
 
   static inline std::optional<coda::test::TempDir> root_;
 };
@@ -183,8 +184,9 @@ class Training : public testing::Test {
 
 // Trains a one-layer model for `steps` steps; returns its validation loss after checking that it
 // started from the uniform distribution's loss.
-float Training::learn(coda::Arch arch, int steps) {
-  coda::RunConfig c = tiny(arch, std::string("learn_") + coda::arch_name(arch));
+float Training::learn(coda::Arch arch, int steps, const std::string& precision) {
+  coda::RunConfig c = tiny(arch, std::string("learn_") + coda::arch_name(arch) + (precision == "bf16" ? "" : "_" + precision));
+  c.precision = precision;
   c.model.n_layer = 1;
   c.steps = steps;
   c.batch_size = 32;
@@ -198,18 +200,33 @@ float Training::learn(coda::Arch arch, int steps) {
   return coda::evaluate({result.checkpoint, c.val_data, 16, 32, 16, "cpu"});
 }
 
+// precision = fp8 (the CPU backend emulates it: RefModel::enable_fp8) follows the full-precision run of the
+// same seed: its validation loss within 1%; the first step is the calibration (the same loss), the second
+// already differs.
+void Training::expect_fp8_tracks(coda::Arch arch, int steps, float full_val_loss) {
+  const float fp8 = learn(arch, steps, "fp8");
+  const std::string name = coda::arch_name(arch);
+  EXPECT_NEAR(fp8, full_val_loss, 0.01 * full_val_loss) << name;
+  const std::vector<float> full = losses(*root_ / ("learn_" + name)), quantized = losses(*root_ / ("learn_" + name + "_fp8"));
+  EXPECT_EQ(quantized[0], full[0]) << name;
+  EXPECT_NE(quantized[1], full[1]) << name;
+}
+
 // The corpus's stages (prepare.hpp): uniform ln 256 = 5.55, the bigram table's best ln 8 = 2.08, the
 // entropy rate ln 4 = 1.39 (the previous token's bit, found through attention). No model beats the last.
+// Each architecture learns the same in fp8.
 TEST_F(Training, Gpt2LossFallsToTheBigramBound) {
   const float val_loss = learn(coda::Arch::GPT2, 150);
   EXPECT_LT(val_loss, std::log(8.0) + 0.15);
   EXPECT_GT(val_loss, coda::synthetic_entropy_rate() - 0.02);
+  expect_fp8_tracks(coda::Arch::GPT2, 150, val_loss);
 }
 
 TEST_F(Training, LlamaLossFallsPastTheBigramBoundTowardTheEntropyRate) {
   const float val_loss = learn(coda::Arch::Llama, 200);  // RoPE finds the previous token sooner
   EXPECT_LT(val_loss, std::log(8.0) - 0.2);
   EXPECT_GT(val_loss, coda::synthetic_entropy_rate() - 0.02);
+  expect_fp8_tracks(coda::Arch::Llama, 200, val_loss);
 }
 
 // Qwen2 (Llama's features plus the QKV bias) learns as Llama does, and its checkpoint read as a bare HF
@@ -219,6 +236,7 @@ TEST_F(Training, Qwen2LearnsAndItsHfDirectoryEvaluatesTheSame) {
   const float val_loss = learn(coda::Arch::Qwen2, 200);
   EXPECT_LT(val_loss, std::log(8.0) - 0.2);
   EXPECT_GT(val_loss, coda::synthetic_entropy_rate() - 0.02);
+  expect_fp8_tracks(coda::Arch::Qwen2, 200, val_loss);
   const fs::path checkpoint = fs::path(*root_ / "learn_qwen2") / "step_200", hf = *root_ / "hf_qwen2";
   fs::create_directories(hf);
   for (const char* file : {"config.json", "model.safetensors"}) fs::copy_file(checkpoint / file, hf / file);
@@ -242,10 +260,15 @@ TEST_F(Training, OneSeedGivesIdenticalRunsAndAnotherSeedDoesNot) {
   EXPECT_NE(a, other);
 }
 
+// Both architectures in bf16, and Llama in fp8, whose checkpoint carries the amax histories that the next
+// steps' scales come from.
 TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
-  for (coda::Arch arch : {coda::Arch::GPT2, coda::Arch::Llama}) {
-    const std::string name = coda::arch_name(arch);
+  for (const auto& [arch, precision] : {std::pair{coda::Arch::GPT2, "bf16"}, std::pair{coda::Arch::Llama, "bf16"},
+                                        std::pair{coda::Arch::Llama, "fp8"}}) {
+    const std::string name = std::string(coda::arch_name(arch)) + "_" + precision;
     coda::RunConfig c = tiny(arch, "whole_" + name);
+    c.precision = precision;
+    c.fp8_history = 4;
     c.grad_accum = 2;
     c.checkpoint_every = 6;
     const coda::TrainResult whole = coda::train(c);
@@ -273,6 +296,18 @@ TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
     EXPECT_EQ(a.adam_m, b.adam_m) << name;
     EXPECT_EQ(a.adam_v, b.adam_v) << name;
     EXPECT_EQ(a.state.data_position, b.state.data_position) << name;
+    EXPECT_EQ(a.state.fp8.amax, b.state.fp8.amax) << name;
+    EXPECT_EQ(a.state.fp8.empty(), c.precision == "bf16") << name;
+    if (c.precision == "fp8") {
+      resumed_config.fp8_history = 8;
+      resumed_config.steps = 14;
+      try {
+        coda::train(resumed_config);
+        ADD_FAILURE() << "a resume with another fp8_history was accepted";
+      } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find("fp8_history = 4"), std::string::npos) << e.what();
+      }
+    }
   }
 }
 
@@ -390,6 +425,11 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
     EXPECT_DOUBLE_EQ(r.tokens_per_s_per_gpu, r.tokens_per_s);
   }
   EXPECT_FALSE(fs::exists(c.out)) << "bench writes no run directory";
+  c.precision = "fp8";
+  const std::vector<coda::BenchResult> with_fp8 = coda::bench(c, 1, 0);
+  ASSERT_EQ(with_fp8.size(), results.size() + 1) << "fp8 adds its mode after the bf16 ones";
+  EXPECT_EQ(with_fp8.back().backend, "cpu-fp8");
+  c.precision = "bf16";
   c.zero1 = true;
   EXPECT_THROW(coda::bench(c, 1, 0), std::invalid_argument) << "ZeRO-1 without a communicator";
 }
