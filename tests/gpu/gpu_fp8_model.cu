@@ -1,0 +1,233 @@
+// The FP8 unfused mode (precision = fp8, src/fp8_linears.hpp) on a whole tiny model of each architecture,
+// against its specification: the CPU backend with FP8 emulated (RefModel::enable_fp8), same parameters,
+// same batches, four AdamW steps. Step 1 calibrates (bf16 / fp32 GEMMs, amax recorded); steps 2-4 run the
+// block linears in FP8 with the scales both sides derived from their own amax histories.
+// The GPU quantizes bf16 activations where the reference quantizes fp32 ones, so an element near an FP8
+// rounding boundary can land one FP8 unit (2^-3 e4m3, 2^-2 e5m2 relative) away: the tolerances are wider
+// than the bf16 mode's (loss 1e-2 relative, gradients 6e-2), and every gradient must be closer to the FP8
+// reference than to the fp32 one where the two differ clearly, which shows the quantization is the spec's.
+// Also: the scaling state (amax histories within 1e-2 of the reference's, a resume from it continues
+// bit for bit, an evaluation leaves it alone), a non-finite amax stopping adamw_step before the weights
+// change, and the choices make_cuda_backend makes for fp8.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "src/backend.hpp"
+#include "src/fp8.hpp"
+#include "src/model.hpp"
+#include "src/rng.hpp"
+#include "tests/gpu_test_util.cuh"
+
+namespace {
+
+using coda::test::random_ids;
+using coda::test::rel_error;
+
+const coda::Fp8Recipe kRecipe{4, 0};
+const coda::AdamWHyper kHyper{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
+
+// Every width a multiple of 16, as the FP8 GEMMs need.
+coda::ModelConfig fp8_model(coda::Arch arch) {
+  coda::ModelConfig c;
+  c.set_arch(arch);
+  c.n_layer = 2;
+  c.vocab_size = 300;
+  c.max_seq_len = 64;
+  if (arch == coda::Arch::GPT2) {
+    c.d_model = 128, c.n_head = 2, c.n_kv_head = 2, c.d_ff = 512;
+  } else {
+    c.d_model = 256, c.n_head = 4, c.n_kv_head = 2, c.d_ff = 352, c.tied_head = arch == coda::Arch::Qwen2;
+  }
+  return c;
+}
+
+struct Batches {
+  std::vector<std::vector<int32_t>> tokens, targets;
+};
+
+Batches random_batches(int count, size_t n, int vocab, uint64_t seed) {
+  coda::Rng rng(seed);
+  Batches b;
+  for (int i = 0; i < count; ++i) {
+    b.tokens.push_back(random_ids(n, vocab, rng));
+    b.targets.push_back(random_ids(n, vocab, rng));
+  }
+  return b;
+}
+
+std::vector<float> grads_of(coda::Backend& backend, size_t total) {
+  std::vector<float> g(total);
+  backend.read_grads(g.data());
+  return g;
+}
+
+std::vector<float> tensor_of(const std::vector<float>& flat, const coda::ParamTensor& t) {
+  return {flat.begin() + t.offset, flat.begin() + t.offset + t.numel};
+}
+
+// One step on a backend: zero, forward_backward, clip, AdamW; returns the loss.
+float train_step(coda::Backend& backend, const Batches& data, int step, int B, int T) {
+  backend.zero_grad();
+  const float loss = backend.forward_backward(data.tokens[step].data(), data.targets[step].data(), B, T, 1.0f);
+  const float norm = backend.grad_norm();
+  backend.adamw_step(kHyper, step + 1, norm > 1.0f ? 1.0f / norm : 1.0f);
+  return loss;
+}
+
+class GpuFp8Model : public ::testing::TestWithParam<coda::Arch> {};
+
+TEST_P(GpuFp8Model, StepsFollowTheCpuEmulation) {
+  SKIP_WITHOUT_GPU();
+  const coda::ModelConfig c = fp8_model(GetParam());
+  const coda::ParamLayout layout = coda::make_param_layout(c);
+  const int B = 4, T = 64, steps = 4;
+  std::vector<float> params(layout.total);
+  coda::init_params(c, layout, 31, params.data());
+  const Batches data = random_batches(steps, static_cast<size_t>(B) * T, c.vocab_size, 32);
+  auto emulated = coda::make_cpu_backend(c, B, T, kRecipe);
+  auto full = coda::make_cpu_backend(c, B, T);
+  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  EXPECT_EQ(gpu->name(), "cuda-unfused-fp8");
+  for (coda::Backend* backend : {emulated.get(), full.get(), gpu.get()}) backend->load_params(params.data());
+  for (int step = 0; step < steps; ++step) {
+    // The gradients of this step's batch from the same weights: the fp32 reference gets the emulation's.
+    std::vector<float> weights(layout.total);
+    emulated->read_params(weights.data());
+    full->load_params(weights.data());
+    full->zero_grad();
+    full->forward_backward(data.tokens[step].data(), data.targets[step].data(), B, T, 1.0f);
+    const std::vector<float> fp32 = grads_of(*full, layout.total);
+
+    for (coda::Backend* backend : {emulated.get(), gpu.get()}) backend->zero_grad();
+    const float want = emulated->forward_backward(data.tokens[step].data(), data.targets[step].data(), B, T, 1.0f);
+    const float got = gpu->forward_backward(data.tokens[step].data(), data.targets[step].data(), B, T, 1.0f);
+    EXPECT_NEAR(got, want, 1e-2 * want) << "step " << step + 1;
+    const std::vector<float> g_emulated = grads_of(*emulated, layout.total), g_gpu = grads_of(*gpu, layout.total);
+    std::printf("  step %d  loss cpu-fp8 %.5f  gpu-fp8 %.5f\n", step + 1, want, got);
+    for (const coda::ParamTensor& t : layout.tensors) {
+      const std::vector<float> spec = tensor_of(g_emulated, t), mine = tensor_of(g_gpu, t), plain = tensor_of(fp32, t);
+      const double to_spec = rel_error(mine, spec), to_fp32 = rel_error(mine, plain), spec_to_fp32 = rel_error(spec, plain);
+      EXPECT_LT(to_spec, 6e-2) << "step " << step + 1 << " " << t.name;
+      if (step > 0 && spec_to_fp32 > 3.0 * to_spec)  // the quantization is visible: the GPU must show it too
+        EXPECT_LT(to_spec, to_fp32) << "step " << step + 1 << " " << t.name;
+      if (step == steps - 1)
+        std::printf("  %-16s vs cpu-fp8 %.2e  vs fp32 %.2e  (cpu-fp8 vs fp32 %.2e)\n", t.name.c_str(), to_spec,
+                    to_fp32, spec_to_fp32);
+    }
+    for (coda::Backend* backend : {emulated.get(), gpu.get()}) {
+      const float norm = backend->grad_norm();
+      backend->adamw_step(kHyper, step + 1, norm > 1.0f ? 1.0f / norm : 1.0f);
+    }
+    const coda::Fp8ScalingState a = emulated->read_fp8_state(), b = gpu->read_fp8_state();
+    ASSERT_EQ(a.amax.size(), b.amax.size()) << "step " << step + 1;
+    for (size_t i = 0; i < a.amax.size(); ++i)
+      EXPECT_NEAR(b.amax[i], a.amax[i], 1e-2 * a.amax[i]) << "step " << step + 1 << " "
+                                                          << coda::fp8_tensor_name(static_cast<int>(i / kRecipe.history),
+                                                                                   c.n_layer);
+  }
+}
+
+// The scaling state read after three steps, loaded with the weights and moments into a fresh backend,
+// continues exactly (T = 64: one key block, so the unfused step is deterministic); an evaluation between
+// steps changes neither the state nor the next step.
+TEST_P(GpuFp8Model, ScalingStateResumesExactlyAndEvaluationLeavesIt) {
+  SKIP_WITHOUT_GPU();
+  const coda::ModelConfig c = fp8_model(GetParam());
+  const coda::ParamLayout layout = coda::make_param_layout(c);
+  const int B = 2, T = 64;
+  std::vector<float> params(layout.total);
+  coda::init_params(c, layout, 41, params.data());
+  const Batches data = random_batches(5, static_cast<size_t>(B) * T, c.vocab_size, 42);
+  auto a = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  a->load_params(params.data());
+  EXPECT_TRUE(a->read_fp8_state().empty()) << "no state before the first step closes";
+  for (int step = 0; step < 3; ++step) train_step(*a, data, step, B, T);
+  const coda::Fp8ScalingState state = a->read_fp8_state();
+  ASSERT_EQ(state.amax.size(), static_cast<size_t>(coda::fp8_tensor_count(c.n_layer)) * kRecipe.history);
+  a->forward_loss(data.tokens[4].data(), data.targets[4].data(), B, T);
+  EXPECT_EQ(a->read_fp8_state().amax, state.amax) << "an evaluation recorded amax";
+
+  std::vector<float> weights(layout.total), m(layout.total), v(layout.total);
+  a->read_params(weights.data());
+  a->read_optimizer_state(m.data(), v.data());
+  auto b = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  b->load_params(weights.data());
+  b->load_optimizer_state(m.data(), v.data());
+  b->load_fp8_state(state);
+  EXPECT_EQ(b->read_fp8_state().amax, state.amax);
+  EXPECT_EQ(train_step(*b, data, 3, B, T), train_step(*a, data, 3, B, T));
+  EXPECT_EQ(b->read_fp8_state().amax, a->read_fp8_state().amax);
+
+  coda::Fp8ScalingState wrong = state;
+  wrong.history = 8;
+  EXPECT_THROW(b->load_fp8_state(wrong), std::invalid_argument);
+  auto bf16 = coda::make_cuda_backend(c, "unfused", B, T);
+  EXPECT_THROW(bf16->load_fp8_state(state), std::invalid_argument);
+}
+
+// An infinite weight reaches the amax of its FP8 copy: adamw_step names the tensor and the step and
+// changes no weight.
+TEST_P(GpuFp8Model, ANonFiniteAmaxStopsTheStepBeforeTheWeightsChange) {
+  SKIP_WITHOUT_GPU();
+  const coda::ModelConfig c = fp8_model(GetParam());
+  const coda::ParamLayout layout = coda::make_param_layout(c);
+  const int B = 2, T = 64;
+  std::vector<float> params(layout.total);
+  coda::init_params(c, layout, 51, params.data());
+  params[layout.layers[1].mlp_down_w + 5] = std::numeric_limits<float>::infinity();
+  const Batches data = random_batches(1, static_cast<size_t>(B) * T, c.vocab_size, 52);
+  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  gpu->load_params(params.data());
+  gpu->zero_grad();
+  gpu->forward_backward(data.tokens[0].data(), data.targets[0].data(), B, T, 1.0f);
+  try {
+    gpu->adamw_step(kHyper, 1, 1.0f);
+    ADD_FAILURE() << "an infinite amax was accepted";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("layer 1 mlp_down weight"), std::string::npos) << what;
+    EXPECT_NE(what.find("step 1"), std::string::npos) << what;
+  }
+  std::vector<float> after(layout.total);
+  gpu->read_params(after.data());
+  params[layout.layers[1].mlp_down_w + 5] = 0.0f;
+  after[layout.layers[1].mlp_down_w + 5] = 0.0f;
+  EXPECT_EQ(after, params);
+}
+
+INSTANTIATE_TEST_SUITE_P(Arch, GpuFp8Model,
+                         ::testing::Values(coda::Arch::GPT2, coda::Arch::Llama, coda::Arch::Qwen2),
+                         [](const auto& info) { return std::string(coda::arch_name(info.param)); });
+
+// fp8 runs the unfused mode: auto picks it, coda refuses; a training micro-batch needs B*T a multiple of 16,
+// an evaluation takes any.
+TEST(GpuFp8Backend, RunsTheUnfusedModeAndChecksItsShapes) {
+  SKIP_WITHOUT_GPU();
+  const coda::ModelConfig c = fp8_model(coda::Arch::Llama);
+  EXPECT_EQ(coda::make_cuda_backend(c, "auto", 2, 64, nullptr, kRecipe)->name(), "cuda-unfused-fp8");
+  EXPECT_THROW(coda::make_cuda_backend(c, "coda", 2, 64, nullptr, kRecipe), std::invalid_argument);
+  coda::ModelConfig narrow = c;
+  narrow.d_ff = 344;
+  EXPECT_THROW(coda::make_cuda_backend(narrow, "unfused", 2, 64, nullptr, kRecipe), std::invalid_argument);
+
+  auto gpu = coda::make_cuda_backend(c, "unfused", 2, 64, nullptr, kRecipe);
+  const coda::ParamLayout layout = coda::make_param_layout(c);
+  std::vector<float> params(layout.total);
+  coda::init_params(c, layout, 61, params.data());
+  gpu->load_params(params.data());
+  const Batches data = random_batches(1, 2 * 64, c.vocab_size, 62);
+  train_step(*gpu, data, 0, 2, 64);  // calibrated: the evaluation below runs FP8 GEMMs
+  EXPECT_THROW(gpu->forward_backward(data.tokens[0].data(), data.targets[0].data(), 1, 9, 1.0f),
+               std::invalid_argument);
+  const float loss = gpu->forward_loss(data.tokens[0].data(), data.targets[0].data(), 1, 9);
+  EXPECT_TRUE(std::isfinite(loss));
+}
+
+}  // namespace
