@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
 # every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
-# profile (with the fusion bound) of both modes on gpt2-124m, llama3.2-1b and qwen2.5-0.5b, a ZeRO-1 run
-# against the plain one, tiny-qwen2 trained in both modes, and `coda train` of gpt2-124m against its bench
-# step; then a summary table (the last output lines).
+# profile (with the fusion bound) of both modes on gpt2-124m, llama3.2-1b and qwen2.5-0.5b (the bench with
+# the FP8 unfused mode too), a ZeRO-1 run against the plain one, tiny-qwen2 trained in both modes,
+# tiny-llama trained in bf16 and fp8, and `coda train` of gpt2-124m against its bench step; then a summary
+# table (the last output lines).
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
@@ -48,7 +49,7 @@ fi
 
 bench() {  # name config B T
   echo "== coda bench $1 (B=$3, T=$4)"
-  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 \
+  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --precision fp8 \
     --json "$logs/bench_$1.json" >"$logs/bench_$1.log" 2>&1 || status=1
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
@@ -77,6 +78,19 @@ qwen2_losses=$(python3 - "$data" <<'PY' 2>/dev/null || echo "no result"
 import json, sys
 last = {m: [json.loads(l) for l in open(f"{sys.argv[1]}/qwen2_{m}/metrics.jsonl")][-1]["loss"] for m in ("unfused", "coda")}
 print(f"final loss unfused {last['unfused']:.4f}, coda {last['coda']:.4f} (entropy rate 1.386)")
+PY
+)
+echo "== tiny-llama trained in bf16 and fp8 (unfused mode), 200 steps"
+for precision in bf16 fp8; do
+  "$bin/coda" train --config configs/tiny-llama.toml --device cuda --kernels unfused --precision $precision \
+    --steps 200 --val_every 200 --train_data "$data/synthetic/train_*.bin" --val_data "$data/synthetic/val_*.bin" \
+    --out "$data/llama_$precision" >"$logs/train_llama_$precision.log" 2>&1 || status=1
+done
+fp8_losses=$(python3 - "$data" <<'PY' 2>/dev/null || echo "no result"
+import json, sys
+val = {p: [r["val_loss"] for r in map(json.loads, open(f"{sys.argv[1]}/llama_{p}/metrics.jsonl")) if "val_loss" in r][-1]
+       for p in ("bf16", "fp8")}
+print(f"val loss bf16 {val['bf16']:.4f}, fp8 {val['fp8']:.4f} (fp8 / bf16 {val['fp8'] / val['bf16']:.4f})")
 PY
 )
 echo "== coda train against coda bench (gpt2-124m, B=32, T=1024, 40 steps on the synthetic corpus)"
@@ -109,6 +123,7 @@ printf '%-28s %s passed, %s failed\n' "GPU tests, mpirun -np 1" "$(count '^\[   
 printf '%-28s %s\n' "ZeRO-1 vs plain (tiny-gpt2)" "$zero1_same"
 printf '%-28s %s\n' "coda train vs bench, gpt2" "$train_vs_bench"
 printf '%-28s %s\n' "tiny-qwen2, 100 steps" "$qwen2_losses"
+printf '%-28s %s\n' "tiny-llama fp8, 200 steps" "$fp8_losses"
 for name in gpt2-124m llama3.2-1b qwen2.5-0.5b; do  # the unfused profile's share of epilogue operations, and the bound
   bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
   printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"

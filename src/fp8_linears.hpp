@@ -13,7 +13,8 @@
 // multiplies the bf16 operands (calibration), as the reference does. An evaluation forward quantizes
 // with the current scales and records into a scratch amax, so it leaves the scaling state as it was.
 // The weights are quantized at every forward (one read of the bf16 working copy): nothing can go stale
-// when parameters are loaded or updated, at about 1% of a step.
+// when parameters are loaded or updated (estimated at 4 bytes per block parameter: about 1.2 ms per
+// micro-batch for llama3.2-1b).
 // Shapes: training needs N = B*T a multiple of 16 (the weight gradient's K); every IC and OC of the model a
 // multiple of 16 (checked at construction). An evaluation forward takes any N.
 #pragma once

@@ -136,7 +136,8 @@ int main(int argc, char** argv) {
   std::string bench_json;
   const coda::AppFactory make_bench = [&](coda::RunConfig& config) {
     auto command = std::make_shared<CLI::App>(
-        "Time training steps of every backend in this build (or the --kernels one) on random tokens of the config's shape", "bench");
+        "Time training steps of every backend in this build (or the --kernels one; --precision fp8 adds the FP8 "
+        "unfused mode) on random tokens of the config's shape", "bench");
     add_config_file(*command);
     coda::add_config_options(*command, config);
     command->remove_option(command->get_option("--steps"));
