@@ -2,7 +2,7 @@
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
 # every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
 # profile (with the fusion bound) of both modes on gpt2-124m, llama3.2-1b and qwen2.5-0.5b (the bench with
-# the FP8 unfused mode too), a ZeRO-1 run against the plain one, tiny-qwen2 trained in both modes,
+# each mode's deterministic variant and the FP8 unfused mode too), a ZeRO-1 run against the plain one, tiny-qwen2 trained in both modes,
 # tiny-llama trained in bf16 and fp8, and `coda train` of gpt2-124m against its bench step; then a summary
 # table (the last output lines).
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
@@ -49,7 +49,7 @@ fi
 
 bench() {  # name config B T
   echo "== coda bench $1 (B=$3, T=$4)"
-  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --precision fp8 \
+  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --precision fp8 --deterministic \
     --json "$logs/bench_$1.json" >"$logs/bench_$1.log" 2>&1 || status=1
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
@@ -128,7 +128,7 @@ for name in gpt2-124m llama3.2-1b qwen2.5-0.5b; do  # the unfused profile's shar
   bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
   printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"
 done
-printf '%-14s %-16s %9s %9s %7s %8s %8s %7s %7s %9s %8s\n' model backend "ms/step" "tokens/s" MFU "fwd ms" "bwd ms" \
+printf '%-14s %-28s %9s %9s %7s %8s %8s %7s %7s %9s %8s\n' model backend "ms/step" "tokens/s" MFU "fwd ms" "bwd ms" \
   "J/step" "SM MHz" "tokens/J" anchor
 for run in gpt2-124m:62.65 llama3.2-1b:242 qwen2.5-0.5b:-; do
   name=${run%%:*} anchor=${run##*:}
@@ -139,7 +139,7 @@ def fig(value, spec):
     return format(value, spec) if value else "-"
 for r in json.load(open(path)):
     mfu = f"{100 * r['mfu']:.1f}%" if r.get('mfu') else "-"
-    print(f"{name:<14} {r['backend']:<16} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
+    print(f"{name:<14} {r['backend']:<28} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
           f"{fig(r['forward_ms'], '8.2f'):>8} {fig(r['backward_ms'], '8.2f'):>8} {fig(r['joules_per_step'], '7.2f'):>7} "
           f"{fig(r['mean_sm_clock_mhz'], '7.0f'):>7} {fig(r['tokens_per_joule'], '9.0f'):>9} {anchor:>8}")
 PY

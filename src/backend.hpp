@@ -95,14 +95,18 @@ std::unique_ptr<Backend> make_cpu_backend(const ModelConfig& config, int max_bat
 // which auto then picks. Throws std::invalid_argument for an unknown kernels mode, kernels = coda on a
 // model it does not cover or with fp8, and std::runtime_error, with the numbers, when the model and batch
 // do not fit in the free device memory.
-// zero1: ZeRO-1 over zero1's ranks (docs/DISTRIBUTED.md). Each rank keeps the fp32 master weights and
+// options.zero1: ZeRO-1 over its ranks (docs/DISTRIBUTED.md). Each rank keeps the fp32 master weights and
 // AdamW moments of its shard only; the interface stays the same, with full flat arrays in and out, but
 // grad_norm, adamw_step, read_params and read_optimizer_state become collective (every rank calls them,
 // in the same order), average_grads_in_next_backward must be given zero1's communicator and reduces each
 // gradient to its shard's owner only (read_grads shows the mean over ranks on the own shard alone), and
 // load_params / load_optimizer_state take every rank's copy of the full state and keep the own shard.
+struct CudaBackendOptions {
+  Communicator* zero1 = nullptr;    // ZeRO-1 over its ranks, or none
+  std::optional<Fp8Recipe> fp8;     // precision = fp8: the block linears as FP8 GEMMs (unfused mode)
+  bool deterministic = false;       // every sum in a fixed order: bitwise reproducible steps (docs/CODA.md)
+};
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
-                                           int max_seq_len, Communicator* zero1 = nullptr,
-                                           const std::optional<Fp8Recipe>& fp8 = std::nullopt);
+                                           int max_seq_len, const CudaBackendOptions& options = {});
 
 }  // namespace coda

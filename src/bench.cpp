@@ -82,7 +82,8 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
 
   std::vector<BenchResult> results;
   // --kernels coda|unfused times that mode alone; auto times every mode of this build side by side, all in
-  // bf16; --precision fp8 adds the FP8 unfused mode after them (the bf16 figures beside it).
+  // bf16; --deterministic times each GPU mode once more with its fixed-order sums, after the default one;
+  // --precision fp8 adds the FP8 unfused mode after them (the bf16 figures beside it).
   std::vector<std::pair<std::string, std::string>> backends = available_backends(config.device);
   if (config.kernels != "auto") {
     backends.erase(std::remove_if(backends.begin(), backends.end(),
@@ -94,16 +95,21 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
   }
   struct Timed {
     std::string device, kernels, precision;
+    bool deterministic;
   };
   std::vector<Timed> timed;
-  for (const auto& [device, kernels] : backends) timed.push_back({device, kernels, "bf16"});
+  for (const auto& [device, kernels] : backends) {
+    timed.push_back({device, kernels, "bf16", false});
+    if (config.deterministic && device == "cuda") timed.push_back({device, kernels, "bf16", true});
+  }
   if (config.precision == "fp8")
-    timed.push_back({backends.front().first, backends.front().first == "cuda" ? "unfused" : "auto", "fp8"});
+    timed.push_back({backends.front().first, backends.front().first == "cuda" ? "unfused" : "auto", "fp8", false});
   for (const Timed& mode : timed) {
     RunConfig run = config;
     run.device = mode.device;
     run.kernels = mode.kernels;
     run.precision = mode.precision;
+    run.deterministic = mode.deterministic;
     const std::string& device = mode.device;
     require_data_parallel_device(run, world_size);
     std::unique_ptr<Backend> backend = make_backend(run, run.zero1 ? comm : nullptr);

@@ -23,7 +23,7 @@ namespace {
 
 class CodaLayerNormRunner : public CodaRunner {
  public:
-  explicit CodaLayerNormRunner(DeviceState& state);
+  CodaLayerNormRunner(DeviceState& state, bool deterministic);
   void embedding_forward(int B, int T) override;  // also the weight-derived vectors of this forward
   void block_forward(int layer, int B, int T) override;
   void head_forward(int B, int T) override;
@@ -61,8 +61,8 @@ class CodaLayerNormRunner : public CodaRunner {
   prog::gpt2::LnBackwardColumns ln_cols_;  // the LayerNorm backward's column partials, [N / 16, C]
 };
 
-CodaLayerNormRunner::CodaLayerNormRunner(DeviceState& state)
-    : CodaRunner(state), qkv_vectors_(config_.n_layer), fc_vectors_(config_.n_layer) {}
+CodaLayerNormRunner::CodaLayerNormRunner(DeviceState& state, bool deterministic)
+    : CodaRunner(state, deterministic), qkv_vectors_(config_.n_layer), fc_vectors_(config_.n_layer) {}
 
 void CodaLayerNormRunner::plan_buffers(ArenaPlan& plan) {
   CodaRunner::plan_buffers(plan);
@@ -200,7 +200,7 @@ void CodaLayerNormRunner::ln_backward(const bf16* dz_scaled, size_t W, int K, co
 
 void CodaLayerNormRunner::ln_linear_wgrad(size_t W, size_t bias, const bf16* dz_scaled, const bf16* norm_out_over_rstd,
                                       int rows, int N, int groups) {
-  gemm_wgrad(grad(W), dz_scaled, norm_out_over_rstd, rows, config_.d_model, N, true, stream_);
+  wgrad(grad(W), dz_scaled, norm_out_over_rstd, rows, config_.d_model, N);
   passes::add_column_partials({{grad(bias), col_b_}}, groups, rows, rows, 1.0f, stream_);
 }
 
@@ -218,7 +218,7 @@ void CodaLayerNormRunner::head_backward(int B, int T, float dloss) {
   CUDA_CHECK(cudaMemsetAsync(d_residual_, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
   ln_backward(io.logits, layout_.head_weight(), V, normf_stats_, {dot_z_, dot_c_, dot_b_, 1}, h_final_,
               layout_.normf_w, layout_.normf_b, layout_.layers.back().mlp_down_b, N, o_final_);
-  gemm_wgrad(grad(layout_.head_weight()), io.logits, o_final_, V, C, N, true, stream_);
+  wgrad(grad(layout_.head_weight()), io.logits, o_final_, V, C, N);
 }
 
 void CodaLayerNormRunner::block_backward(int layer, int B, int T) {
@@ -234,13 +234,13 @@ void CodaLayerNormRunner::block_backward(int layer, int B, int T) {
                                                              fc_vectors_[layer].c, fc_vectors_[layer].b_prime,
                                                              fc_dots, col_b_),
                               stream_);
-  gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
+  wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N);
   ln_backward(d_up_, p.mlp_up_w, F, norm2_stats_[layer], fc_dots, a.h2, p.norm2_w, p.norm2_b, p.attn_proj_b, N,
               a.o2);
   ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up_, a.o2, F, N, groups);
 
   gemm_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
-  gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
+  wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N);
   AttentionWriteout writeout;
   writeout.stats = norm_partials(norm1_stats_[layer]);
   writeout.dot_z = dot_z_;
@@ -250,7 +250,7 @@ void CodaLayerNormRunner::block_backward(int layer, int B, int T) {
   writeout.dot_b = dot_b_;
   writeout.col_b = col_b_;
   attention_backward(d_qkv_, d_attn_, a.qkv, a.attn, a.lse, attention_workspace_,
-                     attention_shape(B, T), stream_, &writeout);
+                     attention_shape(B, T), stream_, &writeout, dq_sum());
   ln_backward(d_qkv_, p.qkv_w, Q, norm1_stats_[layer], {dot_z_, dot_c_, dot_b_, 1}, a.h, p.norm1_w,
               p.norm1_b, layer > 0 ? layout_.layers[layer - 1].mlp_down_b : kAbsent, N, a.o1);
   ln_linear_wgrad(p.qkv_w, p.qkv_b, d_qkv_, a.o1, Q, N, attention_writeout_groups(attention_shape(B, T)));
@@ -258,8 +258,8 @@ void CodaLayerNormRunner::block_backward(int layer, int B, int T) {
 
 }  // namespace
 
-std::unique_ptr<StepRunner> make_coda_layernorm_runner(DeviceState& state) {
-  return std::make_unique<CodaLayerNormRunner>(state);
+std::unique_ptr<StepRunner> make_coda_layernorm_runner(DeviceState& state, const RunnerOptions& options) {
+  return std::make_unique<CodaLayerNormRunner>(state, options.deterministic);
 }
 
 }  // namespace coda

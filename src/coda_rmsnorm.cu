@@ -28,7 +28,7 @@ using prog::llama::swiglu_backward_program;
 
 class CodaRmsNormRunner : public CodaRunner {
  public:
-  explicit CodaRmsNormRunner(DeviceState& state);
+  CodaRmsNormRunner(DeviceState& state, bool deterministic);
   void block_forward(int layer, int B, int T) override;
   void head_forward(int B, int T) override;
   void head_backward(int B, int T, float dloss) override;
@@ -49,7 +49,7 @@ class CodaRmsNormRunner : public CodaRunner {
   float* dbias_partials_ = nullptr;    // QKV bias: the write-out's column partials [groups, qkv_dim]
 };
 
-CodaRmsNormRunner::CodaRmsNormRunner(DeviceState& state) : CodaRunner(state) {}
+CodaRmsNormRunner::CodaRmsNormRunner(DeviceState& state, bool deterministic) : CodaRunner(state, deterministic) {}
 
 void CodaRmsNormRunner::plan_buffers(ArenaPlan& plan) {
   CodaRunner::plan_buffers(plan);
@@ -146,7 +146,7 @@ void CodaRmsNormRunner::head_backward(int B, int T, float dloss) {
   passes::dlogits(dlogits_args(N, dloss, dot_z_), stream_);
   norm_backward_dgrad(io.logits, layout_.head_weight(), N, Vp, normf_stats_, 1, h_final_, layout_.normf_w,
                       false);
-  gemm_wgrad(grad(layout_.head_weight()), io.logits, o_final_, Vp, C, N, true, stream_);
+  wgrad(grad(layout_.head_weight()), io.logits, o_final_, Vp, C, N);
 }
 
 void CodaRmsNormRunner::block_backward(int layer, int B, int T) {
@@ -159,13 +159,13 @@ void CodaRmsNormRunner::block_backward(int layer, int B, int T) {
 
   gemm_run<GemmLayout::Dgrad>(GemmTile::Auto, d_up_, d_residual, weight(p.mlp_down_w), N, F, C, false,
                               swiglu_backward_program(a.up, 2 * F, norm_partials(stats2), dot_z_), stream_);
-  gemm_wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N, true, stream_);
+  wgrad(grad(p.mlp_down_w), d_residual, a.act, C, F, N);
   norm_backward_dgrad(d_up_, p.mlp_up_w, N, 2 * F, stats2, row_partials(GemmLayout::Dgrad, N, F, C), a.h2,
                       p.norm2_w, true);
-  gemm_wgrad(grad(p.mlp_up_w), d_up_, a.o2, 2 * F, C, N, true, stream_);
+  wgrad(grad(p.mlp_up_w), d_up_, a.o2, 2 * F, C, N);
 
   gemm_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
-  gemm_wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N, true, stream_);
+  wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N);
   AttentionWriteout writeout;
   writeout.rope_theta = config_.rope_theta;
   writeout.stats = norm_partials(stats1);
@@ -173,9 +173,9 @@ void CodaRmsNormRunner::block_backward(int layer, int B, int T) {
   writeout.bias = weight(p.qkv_b);
   writeout.col_b = config_.qkv_bias ? dbias_partials_ : nullptr;
   attention_backward(d_qkv_, d_attn_, a.qkv, a.attn, a.lse, attention_workspace_,
-                     attention_shape(B, T), stream_, &writeout);
+                     attention_shape(B, T), stream_, &writeout, dq_sum());
   norm_backward_dgrad(d_qkv_, p.qkv_w, N, Q, stats1, 1, a.h, p.norm1_w, true);
-  gemm_wgrad(grad(p.qkv_w), d_qkv_, a.o1, Q, C, N, true, stream_);
+  wgrad(grad(p.qkv_w), d_qkv_, a.o1, Q, C, N);
   if (config_.qkv_bias)
     passes::add_column_partials({{grad(p.qkv_b), dbias_partials_}}, attention_writeout_groups(attention_shape(B, T)), Q,
                                 Q, 1.0f, stream_);
@@ -183,8 +183,8 @@ void CodaRmsNormRunner::block_backward(int layer, int B, int T) {
 
 }  // namespace
 
-std::unique_ptr<StepRunner> make_coda_rmsnorm_runner(DeviceState& state) {
-  return std::make_unique<CodaRmsNormRunner>(state);
+std::unique_ptr<StepRunner> make_coda_rmsnorm_runner(DeviceState& state, const RunnerOptions& options) {
+  return std::make_unique<CodaRmsNormRunner>(state, options.deterministic);
 }
 
 }  // namespace coda

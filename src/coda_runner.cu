@@ -30,8 +30,8 @@ std::string coda_unsupported_reason(const ModelConfig& c) {
   return "";
 }
 
-CodaRunner::CodaRunner(DeviceState& state)
-    : StepRunner(state), norm1_stats_(config_.n_layer), norm2_stats_(config_.n_layer) {
+CodaRunner::CodaRunner(DeviceState& state, bool deterministic)
+    : StepRunner(state, deterministic), norm1_stats_(config_.n_layer), norm2_stats_(config_.n_layer) {
   const std::string reason = coda_unsupported_reason(config_);
   if (!reason.empty()) throw std::invalid_argument(reason);
 }
@@ -73,8 +73,7 @@ void CodaRunner::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&d_attn_, N * C, scratch);
   plan.reserve(&d_qkv_, N * Q, scratch);
   plan.reserve(&d_up_, N * U, scratch);
-  plan.reserve(reinterpret_cast<char**>(&attention_workspace_),
-               attention_backward_workspace_bytes(attention_shape(state_.max_batch(), state_.max_seq_len())), scratch);
+  plan.reserve(reinterpret_cast<char**>(&attention_workspace_), attention_workspace_bytes(), scratch);
 }
 
 prog::NormPartials CodaRunner::norm_partials(const NormStatsBuffers& stats) const {

@@ -29,7 +29,7 @@ namespace coda {
 class CodaRunner : public StepRunner {
  public:
   // Throws std::invalid_argument with coda_unsupported_reason (backend.hpp) for a model it does not cover.
-  explicit CodaRunner(DeviceState& state);
+  CodaRunner(DeviceState& state, bool deterministic);
   std::string mode() const override { return "coda"; }
   void embedding_forward(int B, int T) override;  // h, O1 and the statistics of layer 0's first norm
   void loss_forward(int B, int T) override;       // losses and lse from the head epilogue's partials
@@ -67,6 +67,11 @@ class CodaRunner : public StepRunner {
   // The statistics a layer's residual epilogues write: norm2 of the same layer, or norm1 of the next one
   // (or the final norm after the last layer).
   NormStatsBuffers& next_norm_stats(int layer);
+  // dW[M, N] += dY[K, M]^T X[K, N] (fp32), split over K unless the runner is deterministic.
+  void wgrad(float* dW, const bf16* dY, const bf16* X, int M, int N, int K) const {
+    gemm_wgrad(dW, dY, X, M, N, K, true, stream_, GemmTile::Auto,
+               deterministic_ ? GemmKSplit::Never : GemmKSplit::Balanced);
+  }
   // Row partials of a GEMM of this shape run with the Auto tile (gemm_row_partials).
   static int row_partials(GemmLayout layout, int M, int N, int K) { return gemm_row_partials(layout, M, N, K); }
   // Row partials of a producer with N columns at most: one per 128 columns (the narrowest N tile).

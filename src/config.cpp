@@ -241,6 +241,8 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "precision", c.precision, "bf16 | fp8 (block linears as FP8 GEMMs, unfused mode; docs/FP8.md)");
   key("run", "fp8_history", c.fp8_history, "fp8: steps of amax history behind each scale");
   key("run", "fp8_margin", c.fp8_margin, "fp8: powers of two of headroom below the format's largest value");
+  key("run", "deterministic", c.deterministic,
+      "cuda: sums in a fixed order, so a seed gives bitwise the same run (no split-K, ordered attention dQ)");
   key("run", "out", c.out, "run directory (metrics, config, checkpoints)");
   key("run", "seed", c.seed, "seed of initialisation and data order");
   key("run", "log_every", c.log_every, "console progress every N steps");

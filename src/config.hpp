@@ -49,6 +49,7 @@ struct RunConfig {
   std::string precision = "bf16";  // bf16 | fp8 (the block linears in FP8, docs/FP8.md; unfused mode)
   int fp8_history = 16;          // fp8: steps of amax history behind each scale
   int fp8_margin = 0;            // fp8: powers of two of headroom below the format's largest value
+  bool deterministic = false;    // cuda: every sum in a fixed order, bitwise reproducible steps (slower)
   std::string out = "runs/default";
   uint64_t seed = 1337;
   int log_every = 10;

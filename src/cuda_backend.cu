@@ -190,7 +190,8 @@ PhaseTimes CudaBackend::last_phase_times() {
 }
 
 std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std::string& kernels, int max_batch,
-                                           int max_seq_len, Communicator* zero1, const std::optional<Fp8Recipe>& fp8) {
+                                           int max_seq_len, const CudaBackendOptions& options) {
+  const std::optional<Fp8Recipe>& fp8 = options.fp8;
   std::string mode = kernels;
   if (fp8 && kernels == "coda")
     throw std::invalid_argument(
@@ -202,15 +203,17 @@ std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std:
     if (!reason.empty()) spdlog::warn("kernels auto: {}; running the unfused mode", reason);
     mode = reason.empty() ? "coda" : "unfused";
   }
-  CudaBackend::RunnerFactory make_runner;
+  std::unique_ptr<StepRunner> (*make)(DeviceState&, const RunnerOptions&) = nullptr;
   if (mode == "unfused")
-    make_runner = [fp8](DeviceState& state) { return make_unfused_runner(state, fp8); };
+    make = make_unfused_runner;
   else if (mode == "coda")
-    make_runner = config.norm == Norm::Layer ? make_coda_layernorm_runner : make_coda_rmsnorm_runner;
+    make = config.norm == Norm::Layer ? make_coda_layernorm_runner : make_coda_rmsnorm_runner;
   else
     throw std::invalid_argument("kernels: unknown mode \"" + kernels +
                                 "\" for the cuda backend (this build has: auto, unfused, coda)");
-  return std::make_unique<CudaBackend>(config, max_batch, max_seq_len, zero1, make_runner);
+  const RunnerOptions runner{fp8, options.deterministic};
+  return std::make_unique<CudaBackend>(config, max_batch, max_seq_len, options.zero1,
+                                       [make, runner](DeviceState& state) { return make(state, runner); });
 }
 
 }  // namespace coda

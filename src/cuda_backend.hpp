@@ -26,7 +26,9 @@ class CudaBackend final : public Backend {
               const RunnerFactory& make_runner);
   ~CudaBackend() override;
 
-  std::string name() const override { return "cuda-" + runner_->mode(); }
+  std::string name() const override {
+    return "cuda-" + runner_->mode() + (runner_->deterministic() ? "-deterministic" : "");
+  }
   void load_params(const float* params) override { state_.load_params(params); }
   void read_params(float* params) override { state_.read_params(params); }
   void load_optimizer_state(const float* m, const float* v) override { state_.load_optimizer_state(m, v); }

@@ -5,8 +5,9 @@
 
 namespace coda {
 
-StepRunner::StepRunner(DeviceState& state)
-    : state_(state), config_(state.config()), layout_(state.layout()), stream_(state.stream()) {}
+StepRunner::StepRunner(DeviceState& state, bool deterministic)
+    : state_(state), config_(state.config()), layout_(state.layout()), stream_(state.stream()),
+      deterministic_(deterministic) {}
 
 void StepRunner::plan(ArenaPlan& plan) {
   const size_t N = max_rows();

@@ -19,6 +19,14 @@
 
 namespace coda {
 
+// What a runner is asked for beyond the model: the block linears in FP8 (the unfused runner), and sums
+// in a fixed order (deterministic: the attention backward's dQ over key blocks, and in the coda mode the
+// weight gradients without split-K), so that a step is bitwise reproducible.
+struct RunnerOptions {
+  std::optional<Fp8Recipe> fp8;
+  bool deterministic = false;
+};
+
 class StepRunner {
  public:
   using bf16 = __nv_bfloat16;
@@ -34,12 +42,13 @@ class StepRunner {
     bool training = false;             // the forward pieces belong to a training micro-batch
   };
 
-  explicit StepRunner(DeviceState& state);
+  StepRunner(DeviceState& state, bool deterministic);
   virtual ~StepRunner() = default;
   StepRunner(const StepRunner&) = delete;
   StepRunner& operator=(const StepRunner&) = delete;
 
-  virtual std::string mode() const = 0;  // "unfused", "coda"
+  virtual std::string mode() const = 0;  // "unfused", "unfused-fp8", "coda"
+  bool deterministic() const { return deterministic_; }
   // Reserves the StepIO buffers and then the runner's own (plan_buffers).
   void plan(ArenaPlan& plan);
   // After allocation: tables the runner computes once (the RoPE table).
@@ -72,6 +81,11 @@ class StepRunner {
   AttentionShape attention_shape(int B, int T) const {
     return AttentionShape{B, T, config_.n_head, config_.n_kv_head, config_.head_dim()};
   }
+  DqSum dq_sum() const { return deterministic_ ? DqSum::Ordered : DqSum::Atomic; }
+  // The attention backward's workspace at the largest batch.
+  size_t attention_workspace_bytes() const {
+    return attention_backward_workspace_bytes(attention_shape(state_.max_batch(), state_.max_seq_len()), dq_sum());
+  }
   size_t max_rows() const { return static_cast<size_t>(state_.max_batch()) * state_.max_seq_len(); }
   // The embedding backward from d_residual (the gradient of the residual stream entering layer 0) and
   // the batch's token buckets, into the gradients of wte (and wpe): one kernel every mode shares.
@@ -81,12 +95,13 @@ class StepRunner {
   const ModelConfig& config_;
   const ParamLayout& layout_;
   const cudaStream_t stream_;
+  const bool deterministic_;
 };
 
-// The runners, not yet planned (the backend plans and allocates them with the state); the unfused one with
-// its block linears in FP8 when fp8 is given.
-std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state, const std::optional<Fp8Recipe>& fp8);
-std::unique_ptr<StepRunner> make_coda_layernorm_runner(DeviceState& state);
-std::unique_ptr<StepRunner> make_coda_rmsnorm_runner(DeviceState& state);
+// The runners, not yet planned (the backend plans and allocates them with the state). Only the unfused
+// one takes options.fp8.
+std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state, const RunnerOptions& options);
+std::unique_ptr<StepRunner> make_coda_layernorm_runner(DeviceState& state, const RunnerOptions& options);
+std::unique_ptr<StepRunner> make_coda_rmsnorm_runner(DeviceState& state, const RunnerOptions& options);
 
 }  // namespace coda

@@ -70,7 +70,8 @@ void require_device_available(const RunConfig& config) {
 std::unique_ptr<Backend> make_backend(const RunConfig& config, Communicator* zero1) {
   require_device_available(config);
   if (use_cuda(config.device))
-    return make_cuda_backend(config.model, config.kernels, config.batch_size, config.seq_len, zero1, config.fp8());
+    return make_cuda_backend(config.model, config.kernels, config.batch_size, config.seq_len,
+                             {zero1, config.fp8(), config.deterministic});
   if (zero1 != nullptr) throw std::logic_error("make_backend: ZeRO-1 on the cpu backend (checked earlier)");
   return make_cpu_backend(config.model, config.batch_size, config.seq_len, config.fp8());
 }

@@ -127,8 +127,9 @@ struct BenchResult {
   double joules_per_step = 0.0, mean_power_w = 0.0, mean_sm_clock_mhz = 0.0, tokens_per_joule = 0.0;
 };
 // Times `steps` training steps after `warmup` untimed ones on random tokens, for every available backend
-// in bf16 (the --kernels one only when config.kernels is not auto), then with config.precision = fp8 the
-// FP8 unfused mode (the CPU's emulation there). With comm (a launcher started several ranks,
+// in bf16 (the --kernels one only when config.kernels is not auto; with config.deterministic each GPU
+// one twice, without and with it), then with config.precision = fp8 the FP8 unfused mode (the CPU's
+// emulation there). With comm (a launcher started several ranks,
 // or zero1) every rank runs the same steps on its own tokens and the gradients are averaged over the
 // ranks as in train(); config.zero1 shards the optimizer state over comm.
 std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm = nullptr);

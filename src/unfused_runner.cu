@@ -21,9 +21,9 @@ namespace {
 
 class UnfusedRunner final : public StepRunner {
  public:
-  UnfusedRunner(DeviceState& state, const std::optional<Fp8Recipe>& fp8)
-      : StepRunner(state), cublas_(std::make_unique<CublasLt>()) {
-    if (fp8) fp8_ = std::make_unique<Fp8Linears>(state, *cublas_, *fp8);
+  UnfusedRunner(DeviceState& state, const RunnerOptions& options)
+      : StepRunner(state, options.deterministic), cublas_(std::make_unique<CublasLt>()) {
+    if (options.fp8) fp8_ = std::make_unique<Fp8Linears>(state, *cublas_, *options.fp8);
   }
   std::string mode() const override { return fp8_ != nullptr ? "unfused-fp8" : "unfused"; }
   void upload_tables() override;
@@ -134,8 +134,7 @@ void UnfusedRunner::plan_buffers(ArenaPlan& plan) {
   plan.reserve(&scratch_.d_qkv, N * Q, scratch);
   plan.reserve(&scratch_.d_act, N * F, scratch);
   if (c.mlp == Mlp::SwiGLU) plan.reserve(&scratch_.d_up, N * U, scratch);
-  plan.reserve(reinterpret_cast<char**>(&scratch_.attention_workspace),
-               attention_backward_workspace_bytes(attention_shape(state_.max_batch(), state_.max_seq_len())), scratch);
+  plan.reserve(reinterpret_cast<char**>(&scratch_.attention_workspace), attention_workspace_bytes(), scratch);
   const int max_cols = std::max({c.d_model, c.qkv_dim(), c.mlp_up_rows()});
   plan.reserve(&scratch_.norm_partials, unfused::norm_backward_partials_floats(c.d_model), scratch);
   plan.reserve(&scratch_.column_sums.partials, unfused::column_sum_partials_floats(max_cols), scratch);
@@ -274,7 +273,7 @@ void UnfusedRunner::block_backward(int layer, int B, int T) {
   linear_backward(scratch_.d_attn, d_residual, a.attn, p.attn_proj_w, N, C, C, layer, 1);
   if (config_.proj_bias) unfused::column_sum(grad(p.attn_proj_b), d_residual, N, C, C, scratch_.column_sums, stream_);
   attention_backward(scratch_.d_qkv, scratch_.d_attn, a.qkv, a.attn, a.lse, scratch_.attention_workspace,
-                     attention_shape(B, T), stream_);
+                     attention_shape(B, T), stream_, nullptr, dq_sum());
   if (config_.rope())
     unfused::rope(scratch_.d_qkv, scratch_.rope_table, B, T, config_.n_head, config_.n_kv_head, config_.head_dim(),
                   true, stream_);
@@ -287,8 +286,8 @@ void UnfusedRunner::embedding_backward(int B, int T) { embedding_backward_from(s
 
 }  // namespace
 
-std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state, const std::optional<Fp8Recipe>& fp8) {
-  return std::make_unique<UnfusedRunner>(state, fp8);
+std::unique_ptr<StepRunner> make_unfused_runner(DeviceState& state, const RunnerOptions& options) {
+  return std::make_unique<UnfusedRunner>(state, options);
 }
 
 }  // namespace coda

@@ -5,7 +5,9 @@
 //     lse = +inf, so their P is 0), and the clearing of the fp32 dQ accumulator;
 //  2. main: one block = one kv head x 128 keys; transposed products (S^T = K Q^T, dP^T = V dO^T), so dK and dV
 //     are register accumulators summed over the group's query heads without atomics; dS^T goes through a
-//     double-buffered shared tile; dQ = dS K in 64 x 64 units per consumer, staged, added by TMA reduce-add;
+//     double-buffered shared tile; dQ = dS K in 64 x 64 units per consumer, staged, added by TMA reduce-add
+//     (DqSum::Ordered: stored by TMA into the key block's own slice of a [B*n_head*n_kblocks][T][HD] buffer,
+//     which a pass then sums in key-block order into the accumulator);
 //  3. dQ to bf16, or with a CODA write-out its pass over dqkv's q columns. The write-out is a hook
 //     (kernels/coda/attention_writeout_kernels.cuh): the main kernel stages its inputs and finishes the k
 //     and v columns with it where a write-out is given (kv.dots != nullptr).
@@ -146,7 +148,7 @@ __device__ __forceinline__ void pack_fragments(uint32_t (&a)[kStepQ / 16][4], co
     for (int i = 0; i < 4; ++i) a[kc][i] = pack_bf16(acc[8 * kc + 2 * i], acc[8 * kc + 2 * i + 1]);
 }
 
-template <int HD, int kStepQ>
+template <int HD, int kStepQ, bool kOrderedDq>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_backward_kernel(const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
                               const __grid_constant__ CUtensorMap dq_map, bf16* dqkv,
@@ -326,8 +328,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::named_barrier(2 + c, 128);
     if (dq_issuer) {
       for (int box = 0; box < 2; ++box)
-        sm90::tma_reduce_add_3d(&dq_map, dq_stage + box * kDqRows * 128, n * 64 + box * 32, q0 + mt * kDqRows,
-                                b * n_head + h);
+        if constexpr (kOrderedDq)
+          sm90::tma_store_3d(&dq_map, dq_stage + box * kDqRows * 128, n * 64 + box * 32, q0 + mt * kDqRows,
+                             (b * n_head + h) * n_kblocks + k0 / kBlockKeys);
+        else
+          sm90::tma_reduce_add_3d(&dq_map, dq_stage + box * kDqRows * 128, n * 64 + box * 32, q0 + mt * kDqRows,
+                                  b * n_head + h);
       sm90::bulk_commit();
     }
   }
@@ -385,26 +391,66 @@ __global__ void attention_backward_epilogue_kernel(bf16* dqkv, const float* dq_a
   *reinterpret_cast<uint4*>(dqkv + bt * (static_cast<size_t>(n_head + 2 * n_kv_head) * HD) + col) = packed;
 }
 
-constexpr size_t kWorkspaceAlign = 256;
-size_t dq_accum_bytes(const AttentionShape& s) {
-  const size_t bytes = static_cast<size_t>(s.B) * s.n_head * s.T * s.head_dim * sizeof(float);
-  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+// DqSum::Ordered: dq_accum[bh][t] = the sum over key blocks kb = 0 .. t / 128 (those whose keys row t sees,
+// and so the slices the main kernel stored row t into) of parts[bh * n_kblocks + kb][t], in that order;
+// 8 elements per thread.
+template <int HD>
+__global__ void attention_backward_sum_dq_kernel(float* dq_accum, const float* parts, int BH, int T, int n_kblocks) {
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // chunk of 8 in [BH, T, HD]
+  if (i >= static_cast<size_t>(BH) * T * HD / 8) return;
+  const size_t d = (i * 8) % HD, row = (i * 8) / HD, bh = row / T, t = row % T;
+  float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+  for (int kb = 0; kb <= static_cast<int>(t) / kBlockKeys; ++kb) {
+    const float4* src = reinterpret_cast<const float4*>(parts + ((bh * n_kblocks + kb) * T + t) * HD + d);
+    const float4 a = src[0], b = src[1];
+    lo = make_float4(lo.x + a.x, lo.y + a.y, lo.z + a.z, lo.w + a.w);
+    hi = make_float4(hi.x + b.x, hi.y + b.y, hi.z + b.z, hi.w + b.w);
+  }
+  float4* dst = reinterpret_cast<float4*>(dq_accum + row * HD + d);
+  dst[0] = lo;
+  dst[1] = hi;
 }
+
+constexpr size_t kWorkspaceAlign = 256;
+size_t aligned(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+size_t dq_accum_bytes(const AttentionShape& s) {
+  return aligned(static_cast<size_t>(s.B) * s.n_head * s.T * s.head_dim * sizeof(float));
+}
+int key_blocks(const AttentionShape& s) { return (s.T + kBlockKeys - 1) / kBlockKeys; }
 
 int padded_T(const AttentionShape& s) { return (s.T + kPadQ - 1) / kPadQ * kPadQ; }
 
+// The workspace: the dQ accumulator, D and lse * log2 e, the write-out's kv dots, and when Ordered the key
+// blocks' dQ parts (each part 256-byte aligned, as TMA wants its global addresses).
+struct Workspace {
+  float *dq_accum, *dsum, *lse2, *kv_dots, *dq_parts;
+};
+size_t stat_rows(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.n_head * padded_T(s); }
+size_t kv_dots_bytes(const AttentionShape& s) {
+  return aligned(3 * static_cast<size_t>(s.B) * s.T * s.n_kv_head * sizeof(float));
+}
+Workspace carve(void* base, const AttentionShape& s) {
+  unsigned char* bytes = static_cast<unsigned char*>(base);
+  Workspace w;
+  w.dq_accum = reinterpret_cast<float*>(bytes);
+  w.dsum = reinterpret_cast<float*>(bytes + dq_accum_bytes(s));
+  w.lse2 = w.dsum + stat_rows(s);
+  w.kv_dots = w.lse2 + stat_rows(s);  // [B*T][n_kv_head][1 or 3], with a write-out
+  w.dq_parts = reinterpret_cast<float*>(bytes + dq_accum_bytes(s) + aligned(2 * stat_rows(s) * sizeof(float)) +
+                                        kv_dots_bytes(s));
+  return w;
+}
+
 template <int HD>
 void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, void* workspace,
-              const AttentionShape& s, cudaStream_t stream, const AttentionWriteout* writeout) {
+              const AttentionShape& s, cudaStream_t stream, const AttentionWriteout* writeout, DqSum dq_sum) {
   const int T_pad = padded_T(s);
-  const size_t stat_rows = static_cast<size_t>(s.B) * s.n_head * T_pad;
-  float* dq_accum = static_cast<float*>(workspace);
-  float* dsum = reinterpret_cast<float*>(static_cast<unsigned char*>(workspace) + dq_accum_bytes(s));
-  float* lse2 = dsum + stat_rows;
-  float* kv_dots = lse2 + stat_rows;  // [B*T][n_kv_head][1 or 3], with a write-out
+  const Workspace w = carve(workspace, s);
+  float *dq_accum = w.dq_accum, *dsum = w.dsum, *lse2 = w.lse2, *kv_dots = w.kv_dots;
+  const bool ordered = dq_sum == DqSum::Ordered;
   std::optional<profile::Region> region(std::in_place, "attention backward: prologue", profile::Work::Attention,
                                         stream);
-  attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows * (HD / 8) + 255) / 256), 256, 0, stream>>>(
+  attention_backward_prologue_kernel<HD><<<static_cast<unsigned>((stat_rows(s) * (HD / 8) + 255) / 256), 256, 0, stream>>>(
       lse2, dsum, dq_accum, dout, out, lse, s.B, s.T, T_pad, s.n_head);
   CUDA_CHECK_LAUNCH();
 
@@ -412,12 +458,15 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   constexpr int kStepQ = Tuning<HD>::kStepQ;
   const CUtensorMap qkv_map = sequence_tensor_map(qkv, s.qkv_dim(), s.T, s.B, kStepQ, "qkv");
   const CUtensorMap dout_map = sequence_tensor_map(dout, s.n_head * HD, s.T, s.B, kStepQ, "dout");
-  const CUtensorMap dq_map = sequence_tensor_map(dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, HD, s.T,
-                                                 s.B * s.n_head, kDqRows, "dq accumulator");
+  const int n_pairs = s.B * s.n_kv_head, n_kblocks = key_blocks(s);
+  const CUtensorMap dq_map =
+      ordered ? sequence_tensor_map(w.dq_parts, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, HD, s.T, s.B * s.n_head * n_kblocks,
+                                    kDqRows, "dq parts")
+              : sequence_tensor_map(dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, HD, s.T, s.B * s.n_head, kDqRows,
+                                    "dq accumulator");
   constexpr int kSmem = Layout<HD, kStepQ>::kSmem;
-  auto* kernel = attention_backward_kernel<HD, kStepQ>;
+  auto* kernel = ordered ? attention_backward_kernel<HD, kStepQ, true> : attention_backward_kernel<HD, kStepQ, false>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const int n_pairs = s.B * s.n_kv_head, n_kblocks = (s.T + kBlockKeys - 1) / kBlockKeys;
   const int group_pairs = Tuning<HD>::kGroupPairs > 0 ? std::min(Tuning<HD>::kGroupPairs, n_pairs) : n_pairs;
   region.emplace("attention backward: main", profile::Work::Attention, stream);
   attention_writeout::KvWriteout kv;
@@ -429,6 +478,13 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   kernel<<<n_pairs * n_kblocks, kThreads, kSmem, stream>>>(qkv_map, dout_map, dq_map, dqkv, kv, lse2, dsum, s.T,
                                                            T_pad, s.n_head, s.n_kv_head, scale * kLog2e, group_pairs);
   CUDA_CHECK_LAUNCH();
+  if (ordered) {
+    region.emplace("attention backward: ordered dq sum", profile::Work::Attention, stream);
+    const size_t chunks = static_cast<size_t>(s.B) * s.n_head * s.T * HD / 8;
+    attention_backward_sum_dq_kernel<HD><<<static_cast<unsigned>((chunks + 255) / 256), 256, 0, stream>>>(
+        dq_accum, w.dq_parts, s.B * s.n_head, s.T, n_kblocks);
+    CUDA_CHECK_LAUNCH();
+  }
 
   if (writeout != nullptr) {
     region.emplace("attention backward: write-out", profile::Work::Attention, stream);
@@ -444,21 +500,21 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
 
 }  // namespace
 
-size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
+size_t attention_backward_workspace_bytes(const AttentionShape& shape, DqSum dq_sum) {
   validate_attention_shape(shape);
-  return dq_accum_bytes(shape) + 2 * static_cast<size_t>(shape.B) * shape.n_head * padded_T(shape) * sizeof(float) +
-         3 * static_cast<size_t>(shape.B) * shape.T * shape.n_kv_head * sizeof(float);
+  const size_t parts = dq_sum == DqSum::Ordered ? static_cast<size_t>(key_blocks(shape)) * dq_accum_bytes(shape) : 0;
+  return dq_accum_bytes(shape) + aligned(2 * stat_rows(shape) * sizeof(float)) + kv_dots_bytes(shape) + parts;
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         void* workspace, const AttentionShape& shape, cudaStream_t stream,
-                        const AttentionWriteout* writeout) {
+                        const AttentionWriteout* writeout, DqSum dq_sum) {
   validate_attention_shape(shape);
   if (writeout != nullptr) attention_writeout::validate_writeout(*writeout);
   if (shape.head_dim == 64)
-    backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout);
+    backward<64>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout, dq_sum);
   else
-    backward<128>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout);
+    backward<128>(dqkv, dout, qkv, out, lse, workspace, shape, stream, writeout, dq_sum);
 }
 
 }  // namespace coda

@@ -87,7 +87,7 @@ GemmTile forced_tile() {
 }  // namespace
 
 Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D,
-               const void* A, const void* B, int M, int N, int K, bool accumulate, bool identity_program,
+               const void* A, const void* B, int M, int N, int K, bool accumulate, bool may_split_k,
                const epi::TileSource* sources, int tile_inputs, cudaStream_t stream) {
   require(M > 0 && N > 0 && K > 0, "empty shape M=" + std::to_string(M) + " N=" + std::to_string(N) +
                                        " K=" + std::to_string(K));
@@ -127,8 +127,8 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
   p.group_m = 1024 / bm;  // 1024 rows of A per L2 group
   const int tiles = p.tiles_m * p.tiles_n, sms = num_sms();
   // Split-K needs an output that can be summed in pieces (fp32, reduce-add) and a program without
-  // reductions or nonlinear maps.
-  p.splits = out_fp32 && identity_program ? choose_splits(tiles, p.k_blocks, sms) : 1;
+  // reductions or nonlinear maps (may_split_k: the bare GEMM, where the caller allows it).
+  p.splits = out_fp32 && may_split_k ? choose_splits(tiles, p.k_blocks, sms) : 1;
   p.kb_per_split = (p.k_blocks + p.splits - 1) / p.splits;
   if (p.splits > 1 && !accumulate) {
     CUDA_CHECK(cudaMemsetAsync(D, 0, static_cast<size_t>(M) * out_cols * out_bytes, stream));
@@ -209,8 +209,8 @@ void gemm_dgrad(__nv_bfloat16* dX, const __nv_bfloat16* dY, const __nv_bfloat16*
 }
 
 void gemm_wgrad(float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X, int M, int N, int K, bool accumulate,
-                cudaStream_t stream, GemmTile tile) {
-  gemm_run<GemmLayout::Wgrad>(tile, dW, dY, X, M, N, K, accumulate, epi::Program<>{}, stream);
+                cudaStream_t stream, GemmTile tile, GemmKSplit split) {
+  gemm_run<GemmLayout::Wgrad>(tile, dW, dY, X, M, N, K, accumulate, epi::Program<>{}, stream, split);
 }
 
 }  // namespace coda

@@ -81,9 +81,14 @@ void gemm_forward(__nv_bfloat16* Y, const __nv_bfloat16* X, const __nv_bfloat16*
                   cudaStream_t stream, GemmTile tile = GemmTile::Auto);
 void gemm_dgrad(__nv_bfloat16* dX, const __nv_bfloat16* dY, const __nv_bfloat16* W, int M, int N, int K,
                 cudaStream_t stream, GemmTile tile = GemmTile::Auto);
-// Split over K (reduce-add of partial tiles) whenever that balances the SMs better; accumulate = false
-// zeroes dW first in that case.
+// Whether a GEMM with an fp32 output and no program may split K over several units whose partial tiles the
+// copy engine adds into the output (Balanced: where that fills the SMs better; the order of the adds, and
+// so the last bits, then vary from run to run), or never (Never: every tile summed by one unit in K order,
+// bitwise reproducible).
+enum class GemmKSplit { Balanced, Never };
+
+// Split over K (reduce-add of partial tiles) as `split` allows; accumulate = false zeroes dW first then.
 void gemm_wgrad(float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X, int M, int N, int K, bool accumulate,
-                cudaStream_t stream, GemmTile tile = GemmTile::Auto);
+                cudaStream_t stream, GemmTile tile = GemmTile::Auto, GemmKSplit split = GemmKSplit::Balanced);
 
 }  // namespace coda

@@ -38,7 +38,7 @@ namespace gemm_detail {
 // Validates the shape, builds the tensor maps (operands, output, the program's tile_inputs sources) and
 // the schedule (gemm.cu).
 Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out, int outs_per_col, void* D,
-               const void* A, const void* B, int M, int N, int K, bool accumulate, bool identity_program,
+               const void* A, const void* B, int M, int N, int K, bool accumulate, bool may_split_k,
                const epi::TileSource* sources, int tile_inputs, cudaStream_t stream);
 
 // "gemm fwd 32768x2304x768 pingpong128x128" (the profile's label of a launch).
@@ -74,12 +74,13 @@ TileLauncher<Program> tile_launcher(GemmTile tile) {
 
 // Programs that change the output width store N * kOutsPerCol / kColsPerOut output columns (N / 2 after a
 // 2->1 map, 2 N after a 1->2 map). Programs with partial reductions must see whole tiles, so they never
-// run split over K; accumulate = true adds the program's output into D (TMA reduce-add). The program's
-// tile inputs (collect_tiles) get tensor maps of their own (bf16, 16-byte aligned, row stride a multiple
-// of 8 elements).
+// run split over K (a bare GEMM may, as `split` allows); accumulate = true adds the program's output into D
+// (TMA reduce-add). The program's tile inputs (collect_tiles) get tensor maps of their own (bf16, 16-byte
+// aligned, row stride a multiple of 8 elements).
 template <GemmLayout kLayout, class OutT, class Program>
 void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat16* B, int M, int N, int K,
-              bool accumulate, const Program& program, cudaStream_t stream) {
+              bool accumulate, const Program& program, cudaStream_t stream,
+              GemmKSplit split = GemmKSplit::Balanced) {
   using namespace gemm_detail;
   static_assert(std::is_same_v<OutT, float> || std::is_same_v<OutT, __nv_bfloat16>, "bf16 or fp32 output");
   constexpr GemmEpilogue kEpilogue = gemm_epilogue_of<Program>();
@@ -93,8 +94,8 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
   epi::TileSource sources[epi::kMaxTileInputs];
   program.collect_tiles(sources);
   const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,
-                           A, B, M, N, K, accumulate, kEpilogue == GemmEpilogue::Bare, sources, Program::kTileInputs,
-                           stream);
+                           A, B, M, N, K, accumulate, kEpilogue == GemmEpilogue::Bare && split == GemmKSplit::Balanced,
+                           sources, Program::kTileInputs, stream);
   launch(l, program, stream);
 }
 

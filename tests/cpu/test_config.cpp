@@ -82,6 +82,7 @@ coda::RunConfig random_config(uint64_t seed) {
   c.precision = "fp8";
   c.fp8_history = 1 + static_cast<int>(rng.below(64));
   c.fp8_margin = static_cast<int>(rng.below(4));
+  c.deterministic = true;
   c.out = "runs/x y";
   c.seed = rng.next_u64();
   c.log_every = 1 + static_cast<int>(rng.below(100));
@@ -126,6 +127,7 @@ void expect_same(const coda::RunConfig& a, const coda::RunConfig& b) {
   EXPECT_EQ(a.precision, b.precision);
   EXPECT_EQ(a.fp8_history, b.fp8_history);
   EXPECT_EQ(a.fp8_margin, b.fp8_margin);
+  EXPECT_EQ(a.deterministic, b.deterministic);
   EXPECT_EQ(a.out, b.out);
   EXPECT_EQ(a.seed, b.seed);
   EXPECT_EQ(a.log_every, b.log_every);

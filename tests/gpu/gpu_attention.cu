@@ -4,7 +4,8 @@
 // checked the same way (above WriteoutCase below). Every output buffer is poisoned (NaN) before the kernel
 // runs, so an element the kernel fails to write poisons the error norms. Errors are relative Frobenius norms
 // ||gpu - ref|| / ||ref|| (lse: max absolute error); bf16 outputs and bf16 P / dS operands put them around
-// 2e-3 (measured on H200: 1.8e-3 out, 2.3e-3..3.3e-3 gradients).
+// 2e-3 (measured on H200: 1.8e-3 out, 2.3e-3..3.3e-3 gradients). The backward runs with both dQ sums
+// (DqSum): the ordered one must also give the same bits twice.
 
 #include <gtest/gtest.h>
 
@@ -76,6 +77,20 @@ TEST_P(GpuAttention, MatchesCpuReference) {
   EXPECT_LT(dk_err, 1e-2);
   EXPECT_LT(dv_err, 1e-2);
 
+  // DqSum::Ordered: the same gradient up to the order of dQ's fp32 sums, and twice the same bits. Its
+  // workspace is poisoned too: the sum must read only the key blocks' parts that the main kernel wrote.
+  DeviceBuffer<unsigned char> d_ordered_work(coda::attention_backward_workspace_bytes(s, coda::DqSum::Ordered));
+  std::vector<float> ordered[2];
+  for (std::vector<float>& result : ordered) {
+    d_dqkv.poison(), d_ordered_work.poison();
+    coda::attention_backward(d_dqkv.get(), d_dout.get(), d_qkv.get(), d_out.get(), d_lse.get(), d_ordered_work.get(),
+                             s, nullptr, nullptr, coda::DqSum::Ordered);
+    CUDA_CHECK_LAUNCH();
+    result = d_dqkv.download();
+  }
+  EXPECT_LT(rel_error(ordered[0], ref_dqkv, QKV, 0, s.n_head * hd), 1e-2);
+  EXPECT_LT(rel_error(ordered[0], dqkv), 1e-3) << "ordered against atomic dQ sums";
+  EXPECT_EQ(ordered[0], ordered[1]) << "two ordered backward passes differ";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttention,

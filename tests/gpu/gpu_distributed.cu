@@ -18,6 +18,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -300,7 +301,7 @@ TEST(Communicator, BackendAveragesGradientsDuringBackward) {
 }
 
 
-// ---- ZeRO-1 (the cuda backend made with a communicator: make_cuda_backend(..., &comm))
+// ---- ZeRO-1 (the cuda backend made with a communicator: make_cuda_backend(..., {&comm}))
 
 // A model whose attention the kernels take (head_dim 64).
 ModelConfig zero1_model(Arch arch, int T, int n_layer, int d_model, int vocab_size) {
@@ -394,7 +395,7 @@ TEST(Zero1, OptimizerStepMatchesReference) {
     const ZeroPartition partition = make_zero_partition(layout, comm.world_size());
     std::vector<float> params(layout.total), m(layout.total, 0.0f), v(layout.total, 0.0f);
     init_params(model, layout, 9, params.data());
-    std::unique_ptr<Backend> sharded = make_cuda_backend(model, "unfused", B, T, &comm);
+    std::unique_ptr<Backend> sharded = make_cuda_backend(model, "unfused", B, T, {&comm, std::nullopt, false});
     sharded->load_params(params.data());
     sharded->load_optimizer_state(m.data(), v.data());
     const AdamWHyper hyper{2e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
@@ -448,7 +449,7 @@ TEST(Zero1, TrainsLikeTheReplicatedOptimizer) {
     std::vector<float> initial(layout.total);
     init_params(model, layout, 5, initial.data());
     std::unique_ptr<Backend> backends[2] = {make_cuda_backend(model, "unfused", B, T),
-                                            make_cuda_backend(model, "unfused", B, T, &comm)};
+                                            make_cuda_backend(model, "unfused", B, T, {&comm, std::nullopt, false})};
     const AdamWHyper hyper{1e-3f, 0.9f, 0.95f, 1e-4f, 0.1f};
     for (auto& backend : backends) backend->load_params(initial.data());
     for (int step = 1; step <= 4; ++step) {
@@ -511,7 +512,7 @@ TEST(Zero1, LoadScattersAndReadGathersTheFullState) {
       m[i] = static_cast<float>(1e-3 * rng.normal());
       v[i] = static_cast<float>(1e-6 * rng.uniform());
     }
-  std::unique_ptr<Backend> sharded = make_cuda_backend(model, "unfused", B, T, &comm);
+  std::unique_ptr<Backend> sharded = make_cuda_backend(model, "unfused", B, T, {&comm, std::nullopt, false});
   sharded->load_params(params.data());
   sharded->load_optimizer_state(m.data(), v.data());
   std::vector<float> got_params(layout.total, -1.0f), got_m(layout.total, -1.0f), got_v(layout.total, -1.0f);

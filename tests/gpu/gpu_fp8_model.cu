@@ -93,7 +93,7 @@ TEST_P(GpuFp8Model, StepsFollowTheCpuEmulation) {
   const Batches data = random_batches(steps, static_cast<size_t>(B) * T, c.vocab_size, 32);
   auto emulated = coda::make_cpu_backend(c, B, T, kRecipe);
   auto full = coda::make_cpu_backend(c, B, T);
-  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, kRecipe, false});
   EXPECT_EQ(gpu->name(), "cuda-unfused-fp8");
   for (coda::Backend* backend : {emulated.get(), full.get(), gpu.get()}) backend->load_params(params.data());
   for (int step = 0; step < steps; ++step) {
@@ -145,7 +145,7 @@ TEST_P(GpuFp8Model, ScalingStateResumesExactlyAndEvaluationLeavesIt) {
   std::vector<float> params(layout.total);
   coda::init_params(c, layout, 41, params.data());
   const Batches data = random_batches(5, static_cast<size_t>(B) * T, c.vocab_size, 42);
-  auto a = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  auto a = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, kRecipe, false});
   a->load_params(params.data());
   EXPECT_TRUE(a->read_fp8_state().empty()) << "no state before the first step closes";
   for (int step = 0; step < 3; ++step) train_step(*a, data, step, B, T);
@@ -157,7 +157,7 @@ TEST_P(GpuFp8Model, ScalingStateResumesExactlyAndEvaluationLeavesIt) {
   std::vector<float> weights(layout.total), m(layout.total), v(layout.total);
   a->read_params(weights.data());
   a->read_optimizer_state(m.data(), v.data());
-  auto b = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  auto b = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, kRecipe, false});
   b->load_params(weights.data());
   b->load_optimizer_state(m.data(), v.data());
   b->load_fp8_state(state);
@@ -183,7 +183,7 @@ TEST_P(GpuFp8Model, ANonFiniteAmaxStopsTheStepBeforeTheWeightsChange) {
   coda::init_params(c, layout, 51, params.data());
   params[layout.layers[1].mlp_down_w + 5] = std::numeric_limits<float>::infinity();
   const Batches data = random_batches(1, static_cast<size_t>(B) * T, c.vocab_size, 52);
-  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, nullptr, kRecipe);
+  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, kRecipe, false});
   gpu->load_params(params.data());
   gpu->zero_grad();
   gpu->forward_backward(data.tokens[0].data(), data.targets[0].data(), B, T, 1.0f);
@@ -211,13 +211,13 @@ INSTANTIATE_TEST_SUITE_P(Arch, GpuFp8Model,
 TEST(GpuFp8Backend, RunsTheUnfusedModeAndChecksItsShapes) {
   SKIP_WITHOUT_GPU();
   const coda::ModelConfig c = fp8_model(coda::Arch::Llama);
-  EXPECT_EQ(coda::make_cuda_backend(c, "auto", 2, 64, nullptr, kRecipe)->name(), "cuda-unfused-fp8");
-  EXPECT_THROW(coda::make_cuda_backend(c, "coda", 2, 64, nullptr, kRecipe), std::invalid_argument);
+  EXPECT_EQ(coda::make_cuda_backend(c, "auto", 2, 64, {nullptr, kRecipe, false})->name(), "cuda-unfused-fp8");
+  EXPECT_THROW(coda::make_cuda_backend(c, "coda", 2, 64, {nullptr, kRecipe, false}), std::invalid_argument);
   coda::ModelConfig narrow = c;
   narrow.d_ff = 344;
-  EXPECT_THROW(coda::make_cuda_backend(narrow, "unfused", 2, 64, nullptr, kRecipe), std::invalid_argument);
+  EXPECT_THROW(coda::make_cuda_backend(narrow, "unfused", 2, 64, {nullptr, kRecipe, false}), std::invalid_argument);
 
-  auto gpu = coda::make_cuda_backend(c, "unfused", 2, 64, nullptr, kRecipe);
+  auto gpu = coda::make_cuda_backend(c, "unfused", 2, 64, {nullptr, kRecipe, false});
   const coda::ParamLayout layout = coda::make_param_layout(c);
   std::vector<float> params(layout.total);
   coda::init_params(c, layout, 61, params.data());

@@ -137,4 +137,27 @@ TEST(GpuGemm, WgradSplitKAndAccumulate) {
                {GemmLayout::Wgrad, 768, 768, 32768, true}});
 }
 
+// GemmKSplit::Never on a shape that Balanced splits many ways (18 tiles of gpt2-124m's attention-output
+// weight gradient over 32768 tokens): the reference's result, and the same bits on every run.
+TEST(GpuGemm, WgradWithoutSplitKGivesTheSameBitsEveryRun) {
+  SKIP_WITHOUT_GPU();
+  const int M = 768, N = 768, K = 32768;
+  const size_t a_elems = size_t(K) * M, b_elems = size_t(K) * N, d_elems = size_t(M) * N;
+  DeviceBuffer<__nv_bfloat16> A(a_elems), B(b_elems);
+  DeviceBuffer<float> ref(d_elems), D0(d_elems), D(d_elems);
+  fill_uniform(A.get(), a_elems, 31);
+  fill_uniform(B.get(), b_elems, 37);
+  fill_uniform(D0.get(), d_elems, 41, -20.0f, 20.0f);
+  reference_gemm(GemmLayout::Wgrad, ref.get(), A.get(), B.get(), M, N, K);
+  std::vector<float> runs[2];
+  for (std::vector<float>& run : runs) {
+    CUDA_CHECK(cudaMemcpy(D.get(), D0.get(), d_elems * sizeof(float), cudaMemcpyDeviceToDevice));
+    gemm_wgrad(D.get(), A.get(), B.get(), M, N, K, true, nullptr, GemmTile::Auto, GemmKSplit::Never);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_LT(relative_error(D.get(), ref.get(), d_elems, D0.get()), 1e-5);
+    run = D.download();
+  }
+  EXPECT_EQ(runs[0], runs[1]);
+}
+
 }  // namespace
