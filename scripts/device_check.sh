@@ -3,8 +3,8 @@
 # every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
 # profile (with the fusion bound) of both modes on gpt2-124m, llama3.2-1b and qwen2.5-0.5b (the bench with
 # each mode's deterministic variant and the FP8 unfused mode too), a ZeRO-1 run against the plain one, tiny-qwen2 trained in both modes,
-# tiny-llama trained in bf16 and fp8, and `coda train` of gpt2-124m against its bench step; then a summary
-# table (the last output lines).
+# tiny-llama trained in bf16 and fp8, the FP8 GEMMs against cuBLASLt's, and `coda train` of gpt2-124m
+# against its bench step; then a summary table (the last output lines).
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
@@ -41,6 +41,10 @@ grep -E '^\[  FAILED|^\[  PASSED|tests ran' "$logs/gpu_tests.log"
 echo "== GPU tests under mpirun -np 1 (communicator, ZeRO-1)"
 mpirun -np 1 "$bin/gpu_tests" --gtest_color=no --gtest_filter='Communicator.*:Zero*' >"$logs/gpu_tests_mpi.log" 2>&1 || status=1
 grep -E '^\[  FAILED|^\[  PASSED' "$logs/gpu_tests_mpi.log"
+
+echo "== FP8 GEMMs against cuBLASLt FP8 (bench_gemm --fp8 --quick)"
+"$bin/bench_gemm" --fp8 --quick >"$logs/bench_gemm_fp8.log" 2>&1 || status=1
+grep -E "worst" "$logs/bench_gemm_fp8.log"
 
 if [[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]]; then
   "$bin/bench_unfused_kernels" >"$logs/bench_kernels.log" 2>&1 || status=1
@@ -124,6 +128,7 @@ printf '%-28s %s\n' "ZeRO-1 vs plain (tiny-gpt2)" "$zero1_same"
 printf '%-28s %s\n' "coda train vs bench, gpt2" "$train_vs_bench"
 printf '%-28s %s\n' "tiny-qwen2, 100 steps" "$qwen2_losses"
 printf '%-28s %s\n' "tiny-llama fp8, 200 steps" "$fp8_losses"
+printf '%-28s %s\n' "FP8 GEMM vs cuBLASLt FP8" "$(grep -o 'worst auto/cublas FP8 ratio: [0-9.]*' "$logs/bench_gemm_fp8.log" || echo "no result")"
 for name in gpt2-124m llama3.2-1b qwen2.5-0.5b; do  # the unfused profile's share of epilogue operations, and the bound
   bound=$(grep -o 'at most [0-9.]*x' "$logs/profile_${name}_unfused.log" 2>/dev/null || echo "no profile")
   printf '%-28s %s\n' "fusion bound, $name" "$bound faster than unfused (free epilogues, same GEMMs and attention)"

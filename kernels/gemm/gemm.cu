@@ -95,8 +95,13 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
                                            std::to_string(8 * cols_per_out));
   const int bm = gemm_tile_m(tile), bn = gemm_tile_n(tile);
   const auto bf16 = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const bool fp8 = gemm_layout_fp8(layout);
+  const int block_k = fp8 ? 128 : 64;  // elements of a 128-byte row
   Launch l{};
-  if (layout == GemmLayout::Wgrad) {
+  if (fp8) {
+    l.a = make_map(A, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K, M, K, 128, bm, "fp8 A");
+    l.b = make_map(B, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, K, N, K, 128, bn, "fp8 B");
+  } else if (layout == GemmLayout::Wgrad) {
     l.a = make_map(A, bf16, 2, M, K, M, 64, 64, "wgrad dY");
     l.b = make_map(B, bf16, 2, N, K, N, 64, 64, "wgrad X");
   } else {
@@ -121,7 +126,7 @@ Launch prepare(GemmLayout layout, GemmTile tile, bool out_fp32, int cols_per_out
 
   Params& p = l.p;
   p.M = M, p.N = N, p.K = K;
-  p.k_blocks = (K + 63) / 64;
+  p.k_blocks = (K + block_k - 1) / block_k;
   p.tiles_m = (M + bm - 1) / bm;
   p.tiles_n = (N + bn - 1) / bn;
   p.group_m = 1024 / bm;  // 1024 rows of A per L2 group
@@ -148,7 +153,11 @@ void throw_tile_not_compiled(GemmTile tile, const char* program_type) {
 }
 
 std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, int K) {
-  const char* name = layout == GemmLayout::Forward ? "fwd" : layout == GemmLayout::Dgrad ? "dgrad" : "wgrad";
+  const char* name = layout == GemmLayout::Forward       ? "fwd"
+                     : layout == GemmLayout::Dgrad       ? "dgrad"
+                     : layout == GemmLayout::Wgrad       ? "wgrad"
+                     : layout == GemmLayout::ForwardE4m3 ? "fp8 e4m3"
+                                                         : "fp8 e5m2";
   return std::string("gemm ") + name + " " + std::to_string(M) + "x" + std::to_string(N) + "x" + std::to_string(K) +
          " " + gemm_tile_name(tile);
 }
@@ -173,7 +182,7 @@ std::vector<GemmTile> gemm_tiles_compiled(GemmLayout layout, GemmEpilogue epilog
 GemmTile gemm_choose_tile(GemmLayout layout, int M, int N, int K, GemmEpilogue epilogue) {
   if (gemm_detail::forced_tile() != GemmTile::Auto) return gemm_detail::forced_tile();
   if (epilogue != GemmEpilogue::Bare) {
-    if (layout == GemmLayout::Forward && N <= 2048 && K <= 4096) return GemmTile::PingPong128x128;
+    if (gemm_layout_forward(layout) && N <= 2048 && K <= 4096) return GemmTile::PingPong128x128;
     if (K >= 8192 || epilogue == GemmEpilogue::TwoTileInputs) return GemmTile::Cooperative128x256;
     return GemmTile::PingPong64x256;
   }
@@ -212,5 +221,20 @@ void gemm_wgrad(float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X, int 
                 cudaStream_t stream, GemmTile tile, GemmKSplit split) {
   gemm_run<GemmLayout::Wgrad>(tile, dW, dY, X, M, N, K, accumulate, epi::Program<>{}, stream, split);
 }
+
+template <GemmLayout kLayout, class OutT>
+void gemm_fp8(OutT* D, const uint8_t* A, const float* a_dequant, const uint8_t* B, const float* b_dequant, int M,
+              int N, int K, bool accumulate, cudaStream_t stream, GemmTile tile) {
+  gemm_run_fp8<kLayout>(tile, D, A, a_dequant, B, b_dequant, M, N, K, accumulate, epi::Program<>{}, stream);
+}
+
+template void gemm_fp8<GemmLayout::ForwardE4m3, __nv_bfloat16>(__nv_bfloat16*, const uint8_t*, const float*,
+                                                                const uint8_t*, const float*, int, int, int, bool,
+                                                                cudaStream_t, GemmTile);
+template void gemm_fp8<GemmLayout::ForwardE5m2, __nv_bfloat16>(__nv_bfloat16*, const uint8_t*, const float*,
+                                                                const uint8_t*, const float*, int, int, int, bool,
+                                                                cudaStream_t, GemmTile);
+template void gemm_fp8<GemmLayout::ForwardE5m2, float>(float*, const uint8_t*, const float*, const uint8_t*,
+                                                        const float*, int, int, int, bool, cudaStream_t, GemmTile);
 
 }  // namespace coda

@@ -8,17 +8,34 @@
 // of 8; N a multiple of 8; pointers 16-byte aligned. Any M, N, K tails beyond that are handled.
 // gemm_run() (gemm_launch.cuh) is the same GEMM with an epilogue program; the functions here are the
 // identity program. A GemmTile may be forced (benchmarks, tests); Auto picks per shape.
+// FP8 (gemm_fp8): Hopper's FP8 wgmma reads both operands K-major, so FP8 has the forward layout only,
+//   D[M, N] (+)= dq_a dq_b (A[M, K] B[N, K]^T)      A e4m3 or e5m2, B e4m3, fp32 accumulation
+// with dq_a, dq_b the operands' dequantization factors (1 / their quantization scales) read from the device
+// and applied to the accumulators before the program: a dgrad or wgrad in FP8 is this GEMM on transposed
+// FP8 copies of its operands. K a multiple of 16 (16-byte rows); 128 K elements per stage.
 
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace coda {
 
-enum class GemmLayout { Forward, Dgrad, Wgrad };
+// Forward, Dgrad, Wgrad: bf16 operands as above. ForwardE4m3 (A and B e4m3) and ForwardE5m2 (A e5m2, B
+// e4m3): the forward layout on FP8 operands.
+enum class GemmLayout { Forward, Dgrad, Wgrad, ForwardE4m3, ForwardE5m2 };
+constexpr bool gemm_layout_fp8(GemmLayout layout) {
+  return layout == GemmLayout::ForwardE4m3 || layout == GemmLayout::ForwardE5m2;
+}
+// The layouts whose both operands are K-major (the forward, in bf16 or FP8).
+constexpr bool gemm_layout_forward(GemmLayout layout) { return layout == GemmLayout::Forward || gemm_layout_fp8(layout); }
+// The element type of a layout's operands.
+template <GemmLayout kLayout>
+using GemmOperand = std::conditional_t<gemm_layout_fp8(kLayout), uint8_t, __nv_bfloat16>;
 
 // Cooperative128x256: both consumer warpgroups on one 128 x 256 tile (4-stage ring; 3 with two tile
 // inputs), for long K (bare GEMMs and programs) and the programs with two tile inputs. PingPong128x128:
@@ -41,7 +58,7 @@ enum class GemmEpilogue { Bare, Program, TwoTileInputs };
 constexpr bool gemm_tile_can_be_chosen(GemmLayout layout, GemmEpilogue epilogue, GemmTile tile) {
   switch (tile) {
     case GemmTile::Cooperative128x256: return true;
-    case GemmTile::PingPong128x128: return epilogue == GemmEpilogue::Bare || layout == GemmLayout::Forward;
+    case GemmTile::PingPong128x128: return epilogue == GemmEpilogue::Bare || gemm_layout_forward(layout);
     case GemmTile::PingPong64x256: return epilogue == GemmEpilogue::Program;
     case GemmTile::Auto: break;
   }
@@ -90,5 +107,10 @@ enum class GemmKSplit { Balanced, Never };
 // Split over K (reduce-add of partial tiles) as `split` allows; accumulate = false zeroes dW first then.
 void gemm_wgrad(float* dW, const __nv_bfloat16* dY, const __nv_bfloat16* X, int M, int N, int K, bool accumulate,
                 cudaStream_t stream, GemmTile tile = GemmTile::Auto, GemmKSplit split = GemmKSplit::Balanced);
+// The FP8 GEMM with the identity program: layout ForwardE4m3 or ForwardE5m2, D bf16 (overwritten) or fp32
+// (accumulate: D += the product).
+template <GemmLayout kLayout, class OutT>
+void gemm_fp8(OutT* D, const uint8_t* A, const float* a_dequant, const uint8_t* B, const float* b_dequant, int M,
+              int N, int K, bool accumulate, cudaStream_t stream, GemmTile tile = GemmTile::Auto);
 
 }  // namespace coda

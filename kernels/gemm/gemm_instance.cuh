@@ -12,14 +12,12 @@
 namespace coda {
 namespace gemm_detail {
 
-// The kernel configuration of a tile: its shape and schedule (gemm.cuh, GemmTile), the operands' majorness
-// of the layout, the output type, and the program's shared-memory needs.
+// The kernel configuration of a tile: its shape and schedule (gemm.cuh, GemmTile), the layout (the operands'
+// majorness and types), the output type, and the program's shared-memory needs.
 template <GemmLayout kLayout, class OutT, class Program, GemmTile kTile>
 struct TileConfig {
-  static constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad;
-  static constexpr bool kBKMajor = kLayout == GemmLayout::Forward;
   static constexpr bool kPingPong = kTile != GemmTile::Cooperative128x256;
-  using type = Config<gemm_tile_m(kTile), gemm_tile_n(kTile), kPingPong, kAKMajor, kBKMajor, OutT, Program::kTileInputs,
+  using type = Config<gemm_tile_m(kTile), gemm_tile_n(kTile), kPingPong, kLayout, OutT, Program::kTileInputs,
                       Program::column_bytes()>;
 };
 

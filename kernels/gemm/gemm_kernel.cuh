@@ -1,5 +1,6 @@
-// The CODA GEMM mainloop (sm_90a): D[M, N] = A B with bf16 operands, fp32 accumulation, and an epilogue
-// program (kernels/epilogue/epilogue.cuh) applied to the accumulators before they are stored.
+// The CODA GEMM mainloop (sm_90a): D[M, N] = A B with bf16 operands (or FP8 ones, both K-major, the
+// accumulators then times the two dequantization factors), fp32 accumulation, and an epilogue program
+// (kernels/epilogue/epilogue.cuh) applied to the accumulators before they are stored.
 // One persistent CTA per SM, 384 threads: warpgroup 0 is the producer (one thread streams A and B tiles by TMA
 // into a ring of stages with full/empty mbarriers), warpgroups 1 and 2 the consumers (wgmma from the swizzled
 // stages, then the epilogue chunk by chunk through swizzled staging buffers and TMA stores). Cooperative: both
@@ -17,22 +18,29 @@
 
 #include "kernels/common/launch.cuh"
 #include "kernels/epilogue/epilogue.cuh"
+#include "kernels/gemm/gemm.cuh"
 #include "kernels/gemm/gemm_params.cuh"
 #include "kernels/sm90/sm90.cuh"
 
 namespace coda::gemm_detail {
 
 // Layout of A and B in shared memory: TMA boxes with 128-byte inner rows, 128B swizzle.
-//  * K-major operand (forward X and W, dgrad dY): one box {64 k, rows}: row r at r*128 B.
+//  * K-major operand (forward X and W, dgrad dY): one box {64 k, rows}: row r at r*128 B; FP8 operands
+//    (always K-major) {128 k, rows}, the same bytes, which the k32 FP8 wgmma steps through 32 bytes at a
+//    time as the k16 bf16 one does.
 //  * MN-major operand (dgrad W, wgrad dY and X): boxes {64 m|n, 64 k}, one per 64 columns, 8 KiB apart;
 //    wgmma reads them transposed (imm-trans = 1).
-template <int kBM_, int kBN_, bool kPingPong_, bool kAKMajor_, bool kBKMajor_, class OutT_, int kTileInputs_,
-          int kColumnBytes_>
+template <int kBM_, int kBN_, bool kPingPong_, GemmLayout kLayout_, class OutT_, int kTileInputs_, int kColumnBytes_>
 struct Config {
   using OutT = OutT_;
-  static constexpr int kBM = kBM_, kBN = kBN_, kBK = 64;  // kBK * 2 B = one 128-byte swizzle row
-  static constexpr bool kPingPong = kPingPong_, kAKMajor = kAKMajor_, kBKMajor = kBKMajor_;
-  static constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
+  static constexpr GemmLayout kLayout = kLayout_;
+  static constexpr bool kFp8 = gemm_layout_fp8(kLayout);
+  static constexpr bool kAKMajor = kLayout != GemmLayout::Wgrad, kBKMajor = gemm_layout_forward(kLayout);
+  static constexpr int kBM = kBM_, kBN = kBN_;
+  static constexpr int kBK = kFp8 ? 128 : 64;  // elements of one 128-byte swizzle row
+  static constexpr int kKSteps = 4;            // wgmma k steps per block: 32 bytes of K each
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kABytes = kBM * 128, kBBytes = kBN * 128, kStageBytes = kABytes + kBBytes;
   static constexpr int kBlockBytes = 64 * 128;               // one 64-row x 128-byte box
   static constexpr int kStagingBytes = 2 * 2 * kBlockBytes;  // 2 consumers x 2 buffers
   static constexpr int kBarrierBytes = 256;
@@ -148,13 +156,25 @@ __device__ __forceinline__ void produce(const CUtensorMap* map_a, const CUtensor
 template <class Cfg>
 __device__ __forceinline__ void mma(float (&acc)[Cfg::kAcc], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   constexpr int kTransA = Cfg::kAKMajor ? 0 : 1, kTransB = Cfg::kBKMajor ? 0 : 1;
-  if constexpr (Cfg::kBN == 256)
+  if constexpr (Cfg::kLayout == GemmLayout::ForwardE4m3) {
+    if constexpr (Cfg::kBN == 256)
+      sm90::wgmma_m64n256k32_e4m3_e4m3(acc, desc_a, desc_b, accumulate);
+    else
+      sm90::wgmma_m64n128k32_e4m3_e4m3(acc, desc_a, desc_b, accumulate);
+  } else if constexpr (Cfg::kLayout == GemmLayout::ForwardE5m2) {
+    if constexpr (Cfg::kBN == 256)
+      sm90::wgmma_m64n256k32_e5m2_e4m3(acc, desc_a, desc_b, accumulate);
+    else
+      sm90::wgmma_m64n128k32_e5m2_e4m3(acc, desc_a, desc_b, accumulate);
+  } else if constexpr (Cfg::kBN == 256) {
     sm90::wgmma_m64n256k16<kTransA, kTransB>(acc, desc_a, desc_b, accumulate);
-  else
+  } else {
     sm90::wgmma_m64n128k16<kTransA, kTransB>(acc, desc_a, desc_b, accumulate);
+  }
 }
 
-// Descriptor of the 16-wide k step `k` of a 64-row (A) or BN-row (B) operand block at `base`.
+// Descriptor of k step `k` (16 bf16 or 32 FP8 elements: 32 bytes) of a 64-row (A) or BN-row (B) operand
+// block at `base`.
 template <bool kKMajor>
 __device__ __forceinline__ uint64_t operand_descriptor(uint32_t base, int k) {
   if constexpr (kKMajor) return sm90::sw128_descriptor(base + k * 32, 16, 1024);
@@ -315,7 +335,7 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
       const uint32_t a_base = ring_base + slot * Cfg::kStageBytes, b_base = a_base + Cfg::kABytes;
       sm90::wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < Cfg::kBK / 16; ++k) {
+      for (int k = 0; k < Cfg::kKSteps; ++k) {
         const uint64_t desc_b = operand_descriptor<Cfg::kBKMajor>(b_base, k);
 #pragma unroll
         for (int s = 0; s < Cfg::kSubs; ++s) {
@@ -346,6 +366,13 @@ __device__ __forceinline__ void consume(int cw, int t, const CUtensorMap* map_d,
     if (lane == 0) sm90::mbar_arrive(&empty[prev_slot]);
 #pragma unroll
     for (int s = 0; s < Cfg::kSubs; ++s) sm90::fence_registers(acc[s]);
+    if constexpr (Cfg::kFp8) {  // D = dq_a dq_b (A B^T): the product the program sees
+      const float dequant = *p.dequant_a * *p.dequant_b;
+#pragma unroll
+      for (int s = 0; s < Cfg::kSubs; ++s)
+#pragma unroll
+        for (int i = 0; i < Cfg::kAcc; ++i) acc[s][i] *= dequant;
+    }
     // The tile's column-vector copies (cp.async in begin_rows, operands.cuh copy_columns) have landed;
     // the first chunk's barrier makes them visible to the whole consumer.
     if constexpr (Cfg::kColumnStaging) sm90::cp_async_wait_all();

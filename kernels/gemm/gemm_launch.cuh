@@ -76,11 +76,13 @@ TileLauncher<Program> tile_launcher(GemmTile tile) {
 // 2->1 map, 2 N after a 1->2 map). Programs with partial reductions must see whole tiles, so they never
 // run split over K (a bare GEMM may, as `split` allows); accumulate = true adds the program's output into D
 // (TMA reduce-add). The program's tile inputs (collect_tiles) get tensor maps of their own (bf16, 16-byte
-// aligned, row stride a multiple of 8 elements).
+// aligned, row stride a multiple of 8 elements). gemm_run takes the bf16 layouts, gemm_run_fp8 the FP8 ones
+// with the operands' dequantization factors (device pointers; the product scales the accumulators before
+// the program sees them).
 template <GemmLayout kLayout, class OutT, class Program>
-void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat16* B, int M, int N, int K,
-              bool accumulate, const Program& program, cudaStream_t stream,
-              GemmKSplit split = GemmKSplit::Balanced) {
+void gemm_run_layout(GemmTile tile, OutT* D, const GemmOperand<kLayout>* A, const GemmOperand<kLayout>* B, int M, int N,
+                     int K, bool accumulate, const Program& program, cudaStream_t stream, GemmKSplit split,
+                     const float* dequant_a, const float* dequant_b) {
   using namespace gemm_detail;
   static_assert(std::is_same_v<OutT, float> || std::is_same_v<OutT, __nv_bfloat16>, "bf16 or fp32 output");
   constexpr GemmEpilogue kEpilogue = gemm_epilogue_of<Program>();
@@ -93,10 +95,30 @@ void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat1
                                profile::Work::Gemm, stream);
   epi::TileSource sources[epi::kMaxTileInputs];
   program.collect_tiles(sources);
-  const Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D,
-                           A, B, M, N, K, accumulate, kEpilogue == GemmEpilogue::Bare && split == GemmKSplit::Balanced,
-                           sources, Program::kTileInputs, stream);
+  Launch l = prepare(kLayout, tile, std::is_same_v<OutT, float>, Program::kColsPerOut, Program::kOutsPerCol, D, A, B, M,
+                     N, K, accumulate, kEpilogue == GemmEpilogue::Bare && split == GemmKSplit::Balanced, sources,
+                     Program::kTileInputs, stream);
+  l.p.dequant_a = dequant_a;
+  l.p.dequant_b = dequant_b;
   launch(l, program, stream);
+}
+
+template <GemmLayout kLayout, class OutT, class Program>
+void gemm_run(GemmTile tile, OutT* D, const __nv_bfloat16* A, const __nv_bfloat16* B, int M, int N, int K,
+              bool accumulate, const Program& program, cudaStream_t stream,
+              GemmKSplit split = GemmKSplit::Balanced) {
+  static_assert(!gemm_layout_fp8(kLayout), "FP8 layouts run through gemm_run_fp8");
+  gemm_run_layout<kLayout>(tile, D, A, B, M, N, K, accumulate, program, stream, split, nullptr, nullptr);
+}
+
+template <GemmLayout kLayout, class OutT, class Program>
+void gemm_run_fp8(GemmTile tile, OutT* D, const uint8_t* A, const float* a_dequant, const uint8_t* B,
+                  const float* b_dequant, int M, int N, int K, bool accumulate, const Program& program,
+                  cudaStream_t stream, GemmKSplit split = GemmKSplit::Balanced) {
+  static_assert(gemm_layout_fp8(kLayout), "bf16 layouts run through gemm_run");
+  if (a_dequant == nullptr || b_dequant == nullptr)
+    throw std::invalid_argument("gemm FP8: both dequantization factors are required");
+  gemm_run_layout<kLayout>(tile, D, A, B, M, N, K, accumulate, program, stream, split, a_dequant, b_dequant);
 }
 
 }  // namespace coda

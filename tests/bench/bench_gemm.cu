@@ -5,7 +5,8 @@
 // >= 150 MB of operands in the rotation); each shape also compares our output with cuBLAS's (relative
 // error), so a fast wrong kernel cannot pass unnoticed.
 // Usage: bench_gemm [--quick] [--epilogues] [--overlap]   (--quick: 10 timed runs; --epilogues: only the
-// programs; --overlap: only the rows that ask whether an epilogue hides under the ping-pong MMAs)
+// programs; --overlap: only the rows that ask whether an epilogue hides under the ping-pong MMAs; --fp8: only
+// the FP8 GEMMs against cuBLASLt's, gemm_fp8.cu, which the full run also times after the bf16 mainloop)
 
 #include <algorithm>
 #include <cstdio>
@@ -114,7 +115,7 @@ void bench_mainloop(CublasLt& cublas) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool mainloop = true, overlap = false;
+  bool mainloop = true, overlap = false, fp8_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0)
       g_timed_runs = 10;
@@ -122,8 +123,11 @@ int main(int argc, char** argv) {
       mainloop = false;
     else if (std::strcmp(argv[i], "--overlap") == 0)
       overlap = true;
+    else if (std::strcmp(argv[i], "--fp8") == 0)
+      fp8_only = true;
     else {
-      std::fprintf(stderr, "bench_gemm: unknown argument %s (usage: bench_gemm [--quick] [--epilogues] [--overlap])\n",
+      std::fprintf(stderr,
+                   "bench_gemm: unknown argument %s (usage: bench_gemm [--quick] [--epilogues] [--overlap] [--fp8])\n",
                    argv[i]);
       return 2;
     }
@@ -138,7 +142,14 @@ int main(int argc, char** argv) {
       bench_overlap();
       return 0;
     }
-    if (mainloop) bench_mainloop(cublas);
+    if (fp8_only) {
+      bench_fp8(cublas);
+      return 0;
+    }
+    if (mainloop) {
+      bench_mainloop(cublas);
+      bench_fp8(cublas);
+    }
     bench_epilogues();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_gemm: %s\n", e.what());

@@ -9,6 +9,7 @@
 #include <iterator>
 #include <vector>
 
+#include "kernels/gemm/cublaslt.cuh"
 #include "kernels/gemm/gemm_instance.cuh"
 #include "tests/bench/bench_util.cuh"
 #include "tests/gemm_reference.cuh"
@@ -131,5 +132,6 @@ void bench_epilogue(const char* label, const Shape& s, MakeProgram make) {
 
 void bench_epilogues();  // gemm_epilogues.cu
 void bench_overlap();    // gemm_overlap.cu
+void bench_fp8(CublasLt& cublas);  // gemm_fp8.cu
 
 }  // namespace coda::gemm_bench

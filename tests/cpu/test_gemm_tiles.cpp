@@ -15,7 +15,8 @@ using coda::GemmEpilogue;
 using coda::GemmLayout;
 using coda::GemmTile;
 
-constexpr GemmLayout kLayouts[] = {GemmLayout::Forward, GemmLayout::Dgrad, GemmLayout::Wgrad};
+constexpr GemmLayout kLayouts[] = {GemmLayout::Forward, GemmLayout::Dgrad, GemmLayout::Wgrad, GemmLayout::ForwardE4m3,
+                                   GemmLayout::ForwardE5m2};
 constexpr GemmEpilogue kEpilogues[] = {GemmEpilogue::Bare, GemmEpilogue::Program, GemmEpilogue::TwoTileInputs};
 
 // The tiles the rule picks over shapes from tiny to the largest the trainer runs.

@@ -2,19 +2,23 @@
 // against CUDA's host conversions): every byte equal, flat and transposed, both formats, on random bf16 data
 // over many binades with a scale that pushes the largest values past the format's range (saturation), a
 // tail shape that is not a multiple of the 64 x 64 tile, and the amax equal to the host's max |x| (NaN in,
-// NaN out). cuBLASLt's FP8 GEMM (CublasLt::gemm_fp8) against the host product of the decoded operands with
-// their dequantization factors, for e4m3 x e4m3 and e4m3 x e5m2, bf16 and accumulated fp32 outputs. The
-// device's delayed scaling against the host's.
+// NaN out). cuBLASLt's FP8 GEMM (CublasLt::gemm_fp8) and the hand-written one (gemm_fp8, every compiled
+// tile, with tails) against the host product of the decoded operands with their dequantization factors,
+// for the format pairs used, bf16 and accumulated fp32 outputs. The device's delayed scaling against the
+// host's.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/gemm/cublaslt.cuh"
+#include "kernels/gemm/gemm.cuh"
 #include "kernels/unfused/unfused.cuh"
 #include "src/fp8.hpp"
 #include "src/rng.hpp"
@@ -156,67 +160,119 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
     CUDA_CHECK(cudaFree(p));
 }
 
-TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
-  SKIP_WITHOUT_GPU();
-  const int M = 256, N = 192, K = 320;
-  coda::Rng rng(9);
-  auto codes = [&](size_t n, Fp8Format format) {
-    std::vector<uint8_t> q(n);
+// An FP8 product D[M, N] = dq_a dq_b (A[M, K] B[N, K]^T) on random codes spread over each format's range:
+// the operands on the device, the expected product and its magnitude sum |terms| (fp64) on the host.
+struct Fp8Product {
+  static constexpr float kFactors[2] = {1.0f / 300.0f, 1.0f / 7000.0f};
+  int M, N, K;
+  Fp8Format a_format, b_format;
+  std::vector<uint8_t> host_a, host_b;
+  coda::test::DeviceCopy<uint8_t> a, b;
+  coda::test::DeviceBuffer<float> dequant;  // [dq_a, dq_b]
+  std::vector<double> expected, magnitude;
+
+  static std::vector<uint8_t> codes(size_t count, Fp8Format format, uint64_t seed) {
+    coda::Rng rng(seed);
+    std::vector<uint8_t> q(count);
     for (auto& c : q) c = coda::fp8_encode(static_cast<float>(rng.normal()) * 0.3f * coda::fp8_largest(format), format);
     return q;
-  };
+  }
+  Fp8Product(int m, int n, int k, Fp8Format af, Fp8Format bf, uint64_t seed)
+      : M(m), N(n), K(k), a_format(af), b_format(bf), host_a(codes(size_t(m) * k, af, seed)),
+        host_b(codes(size_t(n) * k, bf, seed + 1)), a(host_a), b(host_b),
+        dequant(std::vector<float>(kFactors, kFactors + 2)), expected(size_t(m) * n, 0.0), magnitude(expected.size(), 0.0) {
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j)
+        for (int kk = 0; kk < K; ++kk) {
+          const double term = static_cast<double>(coda::fp8_decode(host_a[size_t(i) * K + kk], af)) *
+                              coda::fp8_decode(host_b[size_t(j) * K + kk], bf) * kFactors[0] * kFactors[1];
+          expected[size_t(i) * N + j] += term;
+          magnitude[size_t(i) * N + j] += std::fabs(term);
+        }
+  }
+  std::string formats() const {
+    return std::string(coda::fp8_format_name(a_format)) + " x " + coda::fp8_format_name(b_format);
+  }
+  // The largest |got - (start + expected)| relative to the magnitude (NaN-proof).
+  double worst(const std::vector<float>& got, float start) const {
+    double w = 0.0;
+    for (size_t i = 0; i < expected.size(); ++i) {
+      const double e = std::fabs(got[i] - start - expected[i]) / (magnitude[i] + 1e-30);
+      w = std::isnan(e) ? INFINITY : std::fmax(w, e);
+    }
+    return w;
+  }
+};
+
+// Limits relative to sum |terms|: fp32 accumulation, and bf16's rounding of the output on top.
+constexpr double kFp32Limit = 1e-4, kBf16Limit = 8e-3;
+
+// The format pairs the FP8 linears use: forward e4m3 x e4m3, dgrad and wgrad e5m2 (gradient) x e4m3.
+TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
+  SKIP_WITHOUT_GPU();
   coda::CublasLt cublas;
-  // The format pairs the FP8 linears use: forward e4m3 x e4m3, dgrad and wgrad e5m2 (gradient) x e4m3.
   const std::pair<Fp8Format, Fp8Format> pairs[] = {
       {Fp8Format::E4M3, Fp8Format::E4M3}, {Fp8Format::E4M3, Fp8Format::E5M2}, {Fp8Format::E5M2, Fp8Format::E4M3}};
   for (const auto& [a_format, b_format] : pairs) {
-    const std::string formats = std::string(coda::fp8_format_name(a_format)) + " x " + coda::fp8_format_name(b_format);
-    const std::vector<uint8_t> a = codes(static_cast<size_t>(M) * K, a_format), b = codes(static_cast<size_t>(N) * K, b_format);
-    const float dequant[2] = {1.0f / 300.0f, 1.0f / 7000.0f};
-    std::vector<double> expected(static_cast<size_t>(M) * N), magnitude(expected.size());
-    for (int m = 0; m < M; ++m)
-      for (int n = 0; n < N; ++n)
-        for (int k = 0; k < K; ++k) {
-          const double term = static_cast<double>(coda::fp8_decode(a[m * K + k], a_format)) *
-                              coda::fp8_decode(b[n * K + k], b_format) * dequant[0] * dequant[1];
-          expected[m * N + n] += term;
-          magnitude[m * N + n] += std::fabs(term);
-        }
-    uint8_t *da = nullptr, *db = nullptr;
-    float *dd = nullptr, *dscale = nullptr;
-    bf16* dh = nullptr;
-    CUDA_CHECK(cudaMalloc(&da, a.size()));
-    CUDA_CHECK(cudaMalloc(&db, b.size()));
-    CUDA_CHECK(cudaMalloc(&dd, expected.size() * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&dh, expected.size() * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&dscale, 2 * sizeof(float)));
-    CUDA_CHECK(cudaMemcpy(da, a.data(), a.size(), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(db, b.data(), b.size(), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(dscale, dequant, sizeof(dequant), cudaMemcpyHostToDevice));
-    const std::vector<float> start(expected.size(), 0.5f);  // fp32 D accumulates onto it
-    CUDA_CHECK(cudaMemcpy(dd, start.data(), start.size() * sizeof(float), cudaMemcpyHostToDevice));
-    cublas.gemm_fp8(dd, da, a_format, dscale, db, b_format, dscale + 1, M, N, K, true, nullptr);
-    cublas.gemm_fp8(dh, da, a_format, dscale, db, b_format, dscale + 1, M, N, K, false, nullptr);
-    std::vector<float> d(expected.size());
-    std::vector<bf16> h(expected.size());
-    CUDA_CHECK(cudaMemcpy(d.data(), dd, d.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(h.data(), dh, h.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
-    double worst_fp32 = 0.0, worst_bf16 = 0.0;
-    for (size_t i = 0; i < expected.size(); ++i) {
-      worst_fp32 = std::fmax(worst_fp32, std::fabs(d[i] - 0.5 - expected[i]) / (magnitude[i] + 1e-30));
-      worst_bf16 = std::fmax(worst_bf16, std::fabs(__bfloat162float(h[i]) - expected[i]) / (magnitude[i] + 1e-30));
-    }
-    EXPECT_LT(worst_fp32, 1e-4) << formats;  // fp32 accumulation, relative to sum |terms|
-    EXPECT_LT(worst_bf16, 8e-3) << formats;  // plus bf16's rounding of the output
-    for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dd), static_cast<void*>(dh),
-                    static_cast<void*>(dscale)})
-      CUDA_CHECK(cudaFree(p));
+    Fp8Product f(256, 192, 320, a_format, b_format, 9);
+    coda::test::DeviceBuffer<float> d(std::vector<float>(f.expected.size(), 0.5f));  // fp32 D accumulates onto it
+    coda::test::DeviceBuffer<bf16> h(f.expected.size());
+    h.poison();
+    cublas.gemm_fp8(d.get(), f.a.get(), a_format, f.dequant.get(), f.b.get(), b_format, f.dequant.get() + 1, f.M, f.N,
+                    f.K, true, nullptr);
+    cublas.gemm_fp8(h.get(), f.a.get(), a_format, f.dequant.get(), f.b.get(), b_format, f.dequant.get() + 1, f.M, f.N,
+                    f.K, false, nullptr);
+    EXPECT_LT(f.worst(d.download(), 0.5f), kFp32Limit) << f.formats();
+    EXPECT_LT(f.worst(h.download(), 0.0f), kBf16Limit) << f.formats();
   }
   uint8_t* none = nullptr;
   float* dummy = nullptr;
   EXPECT_THROW(cublas.gemm_fp8(dummy, none, Fp8Format::E5M2, dummy, none, Fp8Format::E5M2, dummy, 16, 16, 16, false,
                                nullptr),
                std::invalid_argument);
+}
+
+// The hand-written GEMM's FP8 layouts (gemm_fp8) on every compiled tile against the decoded product, as
+// cuBLASLt above: M, N and K tails (K not a multiple of the 128-element stage), bf16 output overwritten,
+// fp32 output accumulated (the weight gradient's form).
+TEST(GpuFp8, HandWrittenFp8GemmEqualsTheDecodedProduct) {
+  SKIP_WITHOUT_GPU();
+  using coda::GemmLayout;
+  for (const auto& [M, N, K] : {std::tuple{300, 200, 272}, std::tuple{512, 768, 1024}}) {
+    for (GemmLayout layout : {GemmLayout::ForwardE4m3, GemmLayout::ForwardE5m2}) {
+      const Fp8Format a_format = layout == GemmLayout::ForwardE4m3 ? Fp8Format::E4M3 : Fp8Format::E5M2;
+      Fp8Product f(M, N, K, a_format, Fp8Format::E4M3, 17 + M);
+      for (coda::GemmTile tile : coda::gemm_tiles_compiled(layout, coda::GemmEpilogue::Bare)) {
+        const std::string what = f.formats() + " " + std::to_string(M) + "x" + std::to_string(N) + "x" +
+                                 std::to_string(K) + " " + coda::gemm_tile_name(tile);
+        coda::test::DeviceBuffer<bf16> h(f.expected.size());
+        h.poison();
+        if (layout == GemmLayout::ForwardE4m3)
+          coda::gemm_fp8<GemmLayout::ForwardE4m3>(h.get(), f.a.get(), f.dequant.get(), f.b.get(), f.dequant.get() + 1,
+                                                  M, N, K, false, nullptr, tile);
+        else
+          coda::gemm_fp8<GemmLayout::ForwardE5m2>(h.get(), f.a.get(), f.dequant.get(), f.b.get(), f.dequant.get() + 1,
+                                                  M, N, K, false, nullptr, tile);
+        EXPECT_LT(f.worst(h.download(), 0.0f), kBf16Limit) << what;
+        if (layout == GemmLayout::ForwardE5m2) {
+          coda::test::DeviceBuffer<float> d(std::vector<float>(f.expected.size(), 0.5f));
+          coda::gemm_fp8<GemmLayout::ForwardE5m2>(d.get(), f.a.get(), f.dequant.get(), f.b.get(), f.dequant.get() + 1,
+                                                  M, N, K, true, nullptr, tile);
+          EXPECT_LT(f.worst(d.download(), 0.5f), kFp32Limit) << what;
+        }
+      }
+    }
+  }
+  Fp8Product f(64, 64, 32, Fp8Format::E4M3, Fp8Format::E4M3, 5);
+  coda::test::DeviceBuffer<bf16> out(64 * 64);
+  EXPECT_THROW(coda::gemm_fp8<GemmLayout::ForwardE4m3>(out.get(), f.a.get(), nullptr, f.b.get(), nullptr, 64, 64, 32,
+                                                       false, nullptr),
+               std::invalid_argument)
+      << "the dequantization factors are missing";
+  EXPECT_THROW(coda::gemm_fp8<GemmLayout::ForwardE4m3>(out.get(), f.a.get(), f.dequant.get(), f.b.get(),
+                                                       f.dequant.get() + 1, 64, 64, 24, false, nullptr),
+               std::invalid_argument)
+      << "K = 24: rows of 24 bytes are not a multiple of 16";
 }
 
 }  // namespace
