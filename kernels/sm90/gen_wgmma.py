@@ -45,21 +45,35 @@ def placeholder_lines(regs):
     return lines
 
 
-def ss_wrapper(n):
+def ss_wrapper(n, k=16, a="bf16", b="bf16"):
+    """SS form; bf16 takes the transpose immediates, FP8 (k32) has none (both operands K-major)."""
     regs = n // 2
+    fp8 = a != "bf16"
+    name = f"wgmma_m64n{n}k{k}" + (f"_{a}_{b}" if fp8 else "")
     lines = []
-    lines.append(f"// D[64 x {n}] (+)= A[64 x 16] B[16 x {n}], bf16 operands from shared memory, fp32 accumulators.")
-    lines.append("template <int kTransA, int kTransB>")
-    lines.append(f"__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b,")
-    lines.append("                                                 int accumulate) {")
+    if fp8:
+        lines.append(f"// D[64 x {n}] (+)= A[64 x {k}] B[{k} x {n}], A {a} and B {b} from shared memory (both K-major), fp32")
+        lines.append("// accumulators.")
+    else:
+        lines.append(f"// D[64 x {n}] (+)= A[64 x {k}] B[{k} x {n}], bf16 operands from shared memory, fp32 accumulators.")
+        lines.append("template <int kTransA, int kTransB>")
+    head = f"__device__ __forceinline__ void {name}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b,"
+    lines.append(head)
+    lines.append(" " * 49 + "int accumulate) {")
     lines.append("  asm volatile(")
     lines.append('      "{\\n.reg .pred p;\\n"')
     lines.append(f'      "setp.ne.b32 p, %{regs + 2}, 0;\\n"')
-    lines.append(f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{"')
+    lines.append(f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{a}.{b} {{"')
     lines += placeholder_lines(regs)
-    lines.append(f'      "}}, %{regs}, %{regs + 1}, p, 1, 1, %{regs + 3}, %{regs + 4};\\n}}\\n"')
+    if fp8:
+        lines.append(f'      "}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"')
+    else:
+        lines.append(f'      "}}, %{regs}, %{regs + 1}, p, 1, 1, %{regs + 3}, %{regs + 4};\\n}}\\n"')
     lines += accumulator_lines(regs)
-    lines.append('      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB)')
+    if fp8:
+        lines.append('      : "l"(desc_a), "l"(desc_b), "r"(accumulate)')
+    else:
+        lines.append('      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB)')
     lines.append('      : "memory");')
     lines.append("}")
     return "\n".join(lines)
@@ -78,26 +92,6 @@ def rs_wrapper(n):
     lines.append(f'      "}}, {{{a}}}, %{regs + 4}, 1, 1, 1, %{regs + 5};\\n"')
     lines += accumulator_lines(regs)
     lines.append('      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kTransB)')
-    lines.append('      : "memory");')
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def fp8_wrapper(n, a, b):
-    regs = n // 2
-    lines = []
-    lines.append(f"// D[64 x {n}] (+)= A[64 x 32] B[32 x {n}], A {a} and B {b} from shared memory (both K-major), fp32")
-    lines.append("// accumulators.")
-    lines.append(f"__device__ __forceinline__ void wgmma_m64n{n}k32_{a}_{b}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b,")
-    lines.append("                                                        int accumulate) {")
-    lines.append("  asm volatile(")
-    lines.append('      "{\\n.reg .pred p;\\n"')
-    lines.append(f'      "setp.ne.b32 p, %{regs + 2}, 0;\\n"')
-    lines.append(f'      "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.{a}.{b} {{"')
-    lines += placeholder_lines(regs)
-    lines.append(f'      "}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"')
-    lines += accumulator_lines(regs)
-    lines.append('      : "l"(desc_a), "l"(desc_b), "r"(accumulate)')
     lines.append('      : "memory");')
     lines.append("}")
     return "\n".join(lines)
@@ -124,7 +118,7 @@ def main():
         print()
     for a, b in FP8_PAIRS:
         for n in FP8_SHAPES:
-            print(fp8_wrapper(n, a, b))
+            print(ss_wrapper(n, 32, a, b))
             print()
     print("}  // namespace coda::sm90")
 

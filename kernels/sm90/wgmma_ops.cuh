@@ -132,7 +132,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 // D[64 x 128] (+)= A[64 x 32] B[32 x 128], A e4m3 and B e4m3 from shared memory (both K-major), fp32
 // accumulators.
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                        int accumulate) {
+                                                 int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
@@ -157,7 +157,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_e4m3(float (&d)[64], uint6
 // D[64 x 256] (+)= A[64 x 32] B[32 x 256], A e4m3 and B e4m3 from shared memory (both K-major), fp32
 // accumulators.
 __device__ __forceinline__ void wgmma_m64n256k32_e4m3_e4m3(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                        int accumulate) {
+                                                 int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %130, 0;\n"
@@ -194,7 +194,7 @@ __device__ __forceinline__ void wgmma_m64n256k32_e4m3_e4m3(float (&d)[128], uint
 // D[64 x 128] (+)= A[64 x 32] B[32 x 128], A e5m2 and B e4m3 from shared memory (both K-major), fp32
 // accumulators.
 __device__ __forceinline__ void wgmma_m64n128k32_e5m2_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                        int accumulate) {
+                                                 int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
@@ -219,7 +219,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e5m2_e4m3(float (&d)[64], uint6
 // D[64 x 256] (+)= A[64 x 32] B[32 x 256], A e5m2 and B e4m3 from shared memory (both K-major), fp32
 // accumulators.
 __device__ __forceinline__ void wgmma_m64n256k32_e5m2_e4m3(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                        int accumulate) {
+                                                 int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %130, 0;\n"

@@ -25,31 +25,15 @@ namespace {
 using namespace coda;
 using namespace coda::gemm_bench;
 
-// Linear layer (tokens, in, out) -> its three GEMMs in gemm.cuh's M, N, K terms.
-void add_layer(std::vector<Shape>& shapes, const char* model, const char* name, int tokens, int in, int out) {
-  shapes.push_back({model, name, GemmLayout::Forward, tokens, out, in});
-  shapes.push_back({model, name, GemmLayout::Dgrad, tokens, in, out});
-  shapes.push_back({model, name, GemmLayout::Wgrad, out, in, tokens});
-}
-
+// Each linear's three GEMMs in gemm.cuh's M, N, K terms.
 std::vector<Shape> model_shapes() {
   std::vector<Shape> s;
-  add_layer(s, "gpt2", "qkv", 32768, 768, 2304);
-  add_layer(s, "gpt2", "attn_out", 32768, 768, 768);
-  add_layer(s, "gpt2", "mlp_up", 32768, 768, 3072);
-  add_layer(s, "gpt2", "mlp_down", 32768, 3072, 768);
-  add_layer(s, "gpt2", "lm_head", 32768, 768, 50304);
-  add_layer(s, "llama", "qkv", 16384, 2048, 3072);
-  add_layer(s, "llama", "attn_out", 16384, 2048, 2048);
-  add_layer(s, "llama", "gate_up", 16384, 2048, 16384);
-  add_layer(s, "llama", "down", 16384, 8192, 2048);
-  add_layer(s, "llama", "lm_head", 16384, 2048, 128256);
+  for (const Linear& l : model_linears()) {
+    s.push_back({l.model, l.name, GemmLayout::Forward, l.tokens, l.out, l.in});
+    s.push_back({l.model, l.name, GemmLayout::Dgrad, l.tokens, l.in, l.out});
+    s.push_back({l.model, l.name, GemmLayout::Wgrad, l.out, l.in, l.tokens});
+  }
   return s;
-}
-
-__global__ void bf16_to_float_kernel(float* out, const __nv_bfloat16* in, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __bfloat162float(in[i]);
 }
 
 // Relative difference of our output and cuBLAS's for the same inputs (both overwrite, no accumulate).

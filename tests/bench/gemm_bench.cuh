@@ -25,6 +25,28 @@ struct Shape {
   int M, N, K;
 };
 
+// The block linears (and LM heads) of gpt2-124m (32768 tokens) and llama3.2-1b (16384 tokens): tokens,
+// in and out features.
+struct Linear {
+  const char* model;
+  const char* name;
+  int tokens, in, out;
+  bool lm_head;
+};
+inline std::vector<Linear> model_linears() {
+  return {{"gpt2", "qkv", 32768, 768, 2304, false},       {"gpt2", "attn_out", 32768, 768, 768, false},
+          {"gpt2", "mlp_up", 32768, 768, 3072, false},    {"gpt2", "mlp_down", 32768, 3072, 768, false},
+          {"gpt2", "lm_head", 32768, 768, 50304, true},   {"llama", "qkv", 16384, 2048, 3072, false},
+          {"llama", "attn_out", 16384, 2048, 2048, false}, {"llama", "gate_up", 16384, 2048, 16384, false},
+          {"llama", "down", 16384, 8192, 2048, false},    {"llama", "lm_head", 16384, 2048, 128256, true}};
+}
+
+// out = in, element by element (comparing bf16 outputs with testing::relative_error); one copy per file.
+static __global__ void bf16_to_float_kernel(float* out, const __nv_bfloat16* in, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
 // Device memory for one shape: `sets` rotated copies of A and B, two outputs (ours, cuBLAS).
 struct Operands {
   int sets = 1;

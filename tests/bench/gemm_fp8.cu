@@ -35,22 +35,15 @@ struct Fp8Shape {
   int M, N, K;
 };
 
-void add_layer(std::vector<Fp8Shape>& shapes, const char* model, const char* name, int tokens, int in, int out) {
-  shapes.push_back({model, name, "fwd", GemmLayout::ForwardE4m3, false, tokens, out, in});
-  shapes.push_back({model, name, "dgrad", GemmLayout::ForwardE5m2, false, tokens, in, out});
-  shapes.push_back({model, name, "wgrad", GemmLayout::ForwardE5m2, true, out, in, tokens});
-}
-
+// The block linears' three GEMMs (the LM heads stay bf16 in the recipe).
 std::vector<Fp8Shape> fp8_shapes() {
   std::vector<Fp8Shape> s;
-  add_layer(s, "gpt2", "qkv", 32768, 768, 2304);
-  add_layer(s, "gpt2", "attn_out", 32768, 768, 768);
-  add_layer(s, "gpt2", "mlp_up", 32768, 768, 3072);
-  add_layer(s, "gpt2", "mlp_down", 32768, 3072, 768);
-  add_layer(s, "llama", "qkv", 16384, 2048, 3072);
-  add_layer(s, "llama", "attn_out", 16384, 2048, 2048);
-  add_layer(s, "llama", "gate_up", 16384, 2048, 16384);
-  add_layer(s, "llama", "down", 16384, 8192, 2048);
+  for (const Linear& l : model_linears()) {
+    if (l.lm_head) continue;
+    s.push_back({l.model, l.name, "fwd", GemmLayout::ForwardE4m3, false, l.tokens, l.out, l.in});
+    s.push_back({l.model, l.name, "dgrad", GemmLayout::ForwardE5m2, false, l.tokens, l.in, l.out});
+    s.push_back({l.model, l.name, "wgrad", GemmLayout::ForwardE5m2, true, l.out, l.in, l.tokens});
+  }
   return s;
 }
 
@@ -114,11 +107,6 @@ void run_cublas(const Fp8Shape& s, Fp8Operands& ops, int i, CublasLt& cublas, bo
   else
     cublas.gemm_fp8(static_cast<__nv_bfloat16*>(ops.D_ref), ops.A[k], a, ops.dequant, ops.B[k], Fp8Format::E4M3,
                     ops.dequant + 1, s.M, s.N, s.K, false, nullptr);
-}
-
-__global__ void bf16_to_float_kernel(float* out, const __nv_bfloat16* in, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    out[i] = __bfloat162float(in[i]);
 }
 
 // Ours against cuBLASLt's on the first operand set, both overwriting.
