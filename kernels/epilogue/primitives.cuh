@@ -6,6 +6,7 @@
 
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/common/fp8_format.cuh"
 #include "kernels/epilogue/fragment.cuh"
 #include "kernels/epilogue/functions.cuh"
 #include "kernels/epilogue/operands.cuh"
@@ -213,6 +215,39 @@ struct StoreAuxOf : StoreAux<T> {
     Frag values = f;
     x.load(f, ctx, values.v);
     StoreAux<T>::visit(values, ctx);
+  }
+};
+
+// FP8 store of the current values for a later FP8 GEMM (docs/FP8.md): dst[row, output column] =
+// fp8(v * scale) in kFormat with the satfinite conversion (round to nearest even, saturating; src/fp8.hpp is
+// its specification, and CUDA's conversion runs on the host and the GPU alike), the scale read from the
+// device once per row block (the tensor's delayed-scaling scale); the values pass on unchanged. A pair is one
+// two-byte store (rows and the matrix 2-byte aligned: ld even). Its amax partials come from a
+// RowReduce<AbsMax> beside it.
+template <Fp8Format kFormat>
+struct StoreFp8 : Primitive {
+  uint8_t* dst;
+  int ld;
+  const float* scale_ptr;
+  float scale = 1.0f;
+  CODA_HD StoreFp8(uint8_t* d, int l, const float* s) : dst(d), ld(l), scale_ptr(s) {
+#if !defined(__CUDA_ARCH__)
+    if (l % 2 != 0 || reinterpret_cast<uintptr_t>(d) % 2 != 0)
+      throw std::invalid_argument("StoreFp8: rows must be 2-byte aligned (ld " + std::to_string(l) + " must be even)");
+#endif
+  }
+  CODA_HD void begin_rows(const RowCtx&) { scale = *scale_ptr; }
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    if (!(in_columns(f, ctx) && in_rows(f, ctx))) return;
+    constexpr __nv_fp8_interpretation_t kInterpretation = kFormat == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
+    uint8_t* p = dst + static_cast<size_t>(f.row) * ld + out_col(f);
+    if (f.width == 2) {
+      const __nv_fp8x2_storage_t pair =
+          __nv_cvt_float2_to_fp8x2(make_float2(f.v[0] * scale, f.v[1] * scale), __NV_SATFINITE, kInterpretation);
+      memcpy(p, &pair, sizeof(pair));
+      return;
+    }
+    for_values(f, [&](int i) { p[i] = __nv_cvt_float_to_fp8(f.v[i] * scale, __NV_SATFINITE, kInterpretation); });
   }
 };
 

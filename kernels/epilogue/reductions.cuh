@@ -52,6 +52,21 @@ struct Max {
   CODA_HD static Out result(float a, float) { return a; }
 };
 
+// The largest |x|, NaN once any value is NaN (the amax of FP8 delayed scaling: a NaN must reach the scale
+// update, which refuses it; fmaxf would drop it).
+struct AbsMax {
+  using Out = float;
+  static constexpr bool kBatched = false;
+  CODA_HD static float masked() { return 0.0f; }
+  CODA_HD static void init(float& a, float& b) { a = 0.0f, b = 0.0f; }
+  CODA_HD static float nan_max(float a, float x) { return (x > a || x != x) ? x : a; }
+  CODA_HD static void add(float& a, float&, const float* x, int n) {
+    CODA_UNROLL for (int i = 0; i < Frag::kMaxWidth; ++i) if (i < n) a = nan_max(a, fabsf(x[i]));
+  }
+  CODA_HD static void merge(float& a, float&, float a2, float) { a = nan_max(a, a2); }
+  CODA_HD static Out result(float a, float) { return a; }
+};
+
 // Online log-sum-exp: state (m, s) = (running max, sum of exp(x - m)); a partial is (m, s) and the
 // full-row value is merge_lse over the partials. A value enters with ONE exp and no branch: with
 // d = x - m and e = exp(-|d|), a new maximum (d > 0) rescales the sum, s = s e + 1, otherwise

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/epilogue/epilogue.cuh"
+#include "src/fp8.hpp"
 
 namespace {
 
@@ -90,6 +91,46 @@ TEST(Epilogue, RowSumOfSquaresPartialsAddUpToTheRow) {
     EXPECT_NEAR(sum_of_partials, row, 1e-5 * row);
     for (int j = 0; j < kN; ++j) ASSERT_EQ(out[i * kN + j], acc[i * kN + j]) << "a reduction leaves the values";
   }
+}
+
+// The FP8 store (fp8(v * scale), satfinite, from the device's scale) against the host codec of src/fp8.hpp,
+// with its amax partials per (row, N tile), in both formats; the scale pushes the largest values past e4m3's
+// range (saturation); a NaN makes its tile's amax NaN; the values pass on unchanged.
+TEST(Epilogue, Fp8StoreEqualsTheHostCodecAndAmaxPartialsTakeTheLargestMagnitude) {
+  auto acc = random_vector(kM * kN, -3.0f, 3.0f, 16);
+  acc[5 * kN + 70] = NAN;  // row 5, tile 1
+  const float scale = 200.0f;
+  std::vector<uint8_t> e4m3(kM * kN, 0xAA), e5m2(kM * kN, 0xAA);
+  std::vector<float> amax(kM * kTiles, -1.0f), out(kM * kN);
+  const auto program = make_program(StoreFp8<coda::Fp8Format::E4M3>(e4m3.data(), kN, &scale),
+                                    StoreFp8<coda::Fp8Format::E5M2>(e5m2.data(), kN, &scale),
+                                    RowReduce<AbsMax>(amax.data()));
+  evaluate_on_host(program, acc.data(), kM, kN, kTile, out.data());
+  for (int i = 0; i < kM; ++i) {
+    for (int j = 0; j < kN; ++j) {
+      const float v = acc[i * kN + j];
+      ASSERT_EQ(e4m3[i * kN + j], coda::fp8_encode(v * scale, coda::Fp8Format::E4M3)) << i << "," << j;
+      ASSERT_EQ(e5m2[i * kN + j], coda::fp8_encode(v * scale, coda::Fp8Format::E5M2)) << i << "," << j;
+      if (std::isnan(v))
+        EXPECT_TRUE(std::isnan(out[i * kN + j]));
+      else
+        ASSERT_EQ(out[i * kN + j], v) << "the store leaves the values";
+    }
+    for (int t = 0; t < kTiles; ++t) {
+      float want = 0.0f;
+      bool nan = false;
+      for (int j = t * kTile; j < std::min(kN, (t + 1) * kTile); ++j) {
+        nan |= std::isnan(acc[i * kN + j]);
+        want = std::max(want, std::fabs(acc[i * kN + j]));
+      }
+      if (nan)
+        EXPECT_TRUE(std::isnan(amax[i * kTiles + t])) << "row " << i << " tile " << t;
+      else
+        EXPECT_EQ(amax[i * kTiles + t], want) << "row " << i << " tile " << t;
+    }
+  }
+  EXPECT_EQ(coda::fp8_decode(coda::fp8_encode(3.0f * scale, coda::Fp8Format::E4M3), coda::Fp8Format::E4M3), 448.0f)
+      << "the test's scale saturates e4m3";
 }
 
 TEST(Epilogue, OnlineLogSumExpPartialsMergeToTheFullRow) {
