@@ -8,14 +8,14 @@
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
-# Logs and the bench JSON go to $OUT when it is set, else to the build directory. The script keeps going
-# after a failed step and exits non-zero if any step failed.
+# Logs and the bench JSON go to BUILD_DIR/check-logs, and into $OUT/check-logs.tar.gz as well when OUT
+# is set. The script keeps going after a failed step and exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 build=${1:-build}
 bin=${CODA_PREBUILT:-$build}
-logs=${OUT:-$build}
+logs=$build/check-logs
 mkdir -p "$logs"
 status=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
@@ -30,6 +30,7 @@ if [[ -z "${CODA_PREBUILT:-}" ]]; then
          cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >"$logs/build.log"; }; then
     grep -E "error|FAILED" "$logs/build.log" | head -n 30
     echo "build failed"
+    [[ -n "${OUT:-}" ]] && tar czf "$OUT/check-logs.tar.gz" -C "$build" check-logs
     exit 1
   fi
   echo "built in $(( $(date +%s) - start )) s"
@@ -53,8 +54,10 @@ fi
 
 bench() {  # name config B T
   echo "== coda bench $1 (B=$3, T=$4)"
-  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --precision fp8 --deterministic \
+  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --deterministic \
     --json "$logs/bench_$1.json" >"$logs/bench_$1.log" 2>&1 || status=1
+  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --kernels unfused \
+    --precision fp8 --json "$logs/bench_$1_fp8.json" >"$logs/bench_$1_fp8.log" 2>&1 || status=1
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
       --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
@@ -137,12 +140,18 @@ printf '%-14s %-28s %9s %9s %7s %8s %8s %7s %7s %9s %8s\n' model backend "ms/ste
   "J/step" "SM MHz" "tokens/J" anchor
 for run in gpt2-124m:62.65 llama3.2-1b:242 qwen2.5-0.5b:-; do
   name=${run%%:*} anchor=${run##*:}
-  python3 - "$logs/bench_$name.json" "$name" "$anchor" <<'PY' || echo "$name: no bench result"
+  python3 - "$logs/bench_$name.json" "$logs/bench_${name}_fp8.json" "$name" "$anchor" <<'PY'
 import json, sys
-path, name, anchor = sys.argv[1], sys.argv[2], sys.argv[3]
+bf16, fp8, name, anchor = sys.argv[1:]
 def fig(value, spec):
     return format(value, spec) if value else "-"
-for r in json.load(open(path)):
+def rows(path, keep):
+    try:
+        return [r for r in json.load(open(path)) if keep(r)]
+    except OSError:
+        print(f"{name}: no bench result in {path}")
+        return []
+for r in rows(bf16, lambda r: True) + rows(fp8, lambda r: "fp8" in r["backend"]):
     mfu = f"{100 * r['mfu']:.1f}%" if r.get('mfu') else "-"
     print(f"{name:<14} {r['backend']:<28} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
           f"{fig(r['forward_ms'], '8.2f'):>8} {fig(r['backward_ms'], '8.2f'):>8} {fig(r['joules_per_step'], '7.2f'):>7} "
@@ -150,4 +159,5 @@ for r in json.load(open(path)):
 PY
 done
 echo "(anchor: PyTorch + torch.compile ms/step on one H200, docs/PERFORMANCE.md)"
+[[ -n "${OUT:-}" ]] && tar czf "$OUT/check-logs.tar.gz" -C "$build" check-logs
 exit $status

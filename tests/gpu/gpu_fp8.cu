@@ -204,8 +204,12 @@ struct Fp8Product {
   }
 };
 
-// Limits relative to sum |terms|: fp32 accumulation, and bf16's rounding of the output on top.
-constexpr double kFp32Limit = 1e-4, kBf16Limit = 8e-3;
+// Limits relative to sum |terms|: fp32 accumulation, and bf16's rounding of the output on top. Hopper's FP8
+// wgmma keeps fewer bits than fp32 while it adds a k32 group's products into its accumulator (they are
+// aligned to the largest exponent and truncated), so the hand-written FP8 GEMM, which reads the
+// accumulators after the last k block, is held to kFp8WgmmaLimit (measured 2.1e-4 on H100, e5m2 x e4m3,
+// K = 272); cuBLASLt without fast accumulation adds its partial sums in fp32.
+constexpr double kFp32Limit = 1e-4, kFp8WgmmaLimit = 1e-3, kBf16Limit = 8e-3;
 
 // The format pairs the FP8 linears use: forward e4m3 x e4m3, dgrad and wgrad e5m2 (gradient) x e4m3.
 TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
@@ -258,7 +262,7 @@ TEST(GpuFp8, HandWrittenFp8GemmEqualsTheDecodedProduct) {
           coda::test::DeviceBuffer<float> d(std::vector<float>(f.expected.size(), 0.5f));
           coda::gemm_fp8<GemmLayout::ForwardE5m2>(d.get(), f.a.get(), f.dequant.get(), f.b.get(), f.dequant.get() + 1,
                                                   M, N, K, true, nullptr, tile);
-          EXPECT_LT(f.worst(d.download(), 0.5f), kFp32Limit) << what;
+          EXPECT_LT(f.worst(d.download(), 0.5f), kFp8WgmmaLimit) << what;
         }
       }
     }
