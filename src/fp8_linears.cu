@@ -42,7 +42,7 @@ void Fp8Linears::plan(ArenaPlan& plan) {
   const std::string scaling = "fp8 scaling", weights = "fp8 weight copies", saved = "activations saved for backward",
                     scratch = "scratch";
   plan.reserve(&scales_, count_, scaling);
-  plan.reserve(&dequants_, count_, scaling);
+  plan.reserve(&dequants_, static_cast<size_t>(count_) * unfused::kFp8DequantSlot, scaling);
   plan.reserve(&history_, static_cast<size_t>(count_) * recipe_.history, scaling);
   plan.reserve(&amax_, count_, scaling);
   plan.reserve(&eval_amax_, count_, scaling);
@@ -65,10 +65,10 @@ void Fp8Linears::plan(ArenaPlan& plan) {
 }
 
 void Fp8Linears::upload_initial_scales() {
-  const std::vector<float> ones(count_, 1.0f);
+  const std::vector<float> ones(static_cast<size_t>(count_) * unfused::kFp8DequantSlot, 1.0f);
   const cudaStream_t stream = state_.stream();
   CUDA_CHECK(cudaMemcpyAsync(scales_, ones.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
-  CUDA_CHECK(cudaMemcpyAsync(dequants_, ones.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(dequants_, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
   state_.wait_stream();
   calibrated_ = false;
 }
@@ -121,7 +121,7 @@ void Fp8Linears::close_step(int step, Communicator* comm) {
   const int e4m3 = 2 * kFp8Linears * state_.config().n_layer;  // the inputs and weights come first (fp8.hpp)
   unfused::fp8_update_scales(scales_, dequants_, history_, amax_, e4m3, recipe_.history, step, recipe_.margin,
                              Fp8Format::E4M3, bad_, stream);
-  unfused::fp8_update_scales(scales_ + e4m3, dequants_ + e4m3, history_ + static_cast<size_t>(e4m3) * recipe_.history,
+  unfused::fp8_update_scales(scales_ + e4m3, dequants_ + e4m3 * unfused::kFp8DequantSlot, history_ + static_cast<size_t>(e4m3) * recipe_.history,
                              amax_ + e4m3, count_ - e4m3, recipe_.history, step, recipe_.margin, Fp8Format::E5M2,
                              bad_, stream);
   CUDA_CHECK(cudaMemcpyAsync(host_bad_, bad_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream));
@@ -148,18 +148,19 @@ void Fp8Linears::load_state(const Fp8ScalingState& loaded) {
   check_fp8_state(loaded, recipe_.history, state_.config().n_layer);
   if (loaded.empty()) return;
   // The scales follow from the history as the host's Fp8DelayedScale::restore computes them.
-  std::vector<float> scales(count_), dequants(count_);
+  std::vector<float> scales(count_), dequants(static_cast<size_t>(count_) * unfused::kFp8DequantSlot);
   for (int t = 0; t < count_; ++t) {
     Fp8DelayedScale scale(fp8_tensor_format(t, state_.config().n_layer), recipe_.history, recipe_.margin);
     scale.restore(loaded.amax.data() + static_cast<size_t>(t) * recipe_.history);
     scales[t] = scale.scale();
-    dequants[t] = 1.0f / scales[t];
+    dequants[t * unfused::kFp8DequantSlot] = 1.0f / scales[t];
   }
   const cudaStream_t stream = state_.stream();
   CUDA_CHECK(cudaMemcpyAsync(history_, loaded.amax.data(), loaded.amax.size() * sizeof(float), cudaMemcpyHostToDevice,
                              stream));
   CUDA_CHECK(cudaMemcpyAsync(scales_, scales.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
-  CUDA_CHECK(cudaMemcpyAsync(dequants_, dequants.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemcpyAsync(dequants_, dequants.data(), dequants.size() * sizeof(float), cudaMemcpyHostToDevice,
+                             stream));
   CUDA_CHECK(cudaMemsetAsync(amax_, 0, count_ * sizeof(float), stream));
   state_.wait_stream();
   calibrated_ = true;

@@ -26,6 +26,7 @@
 #include "device_state.hpp"
 #include "fp8.hpp"
 #include "kernels/gemm/cublaslt.cuh"
+#include "kernels/unfused/unfused.cuh"
 
 namespace coda {
 
@@ -60,7 +61,7 @@ class Fp8Linears {
     return fp8_tensor_index(role, layer, linear, state_.config().n_layer);
   }
   const float* scale(int t) const { return scales_ + t; }
-  const float* dequant(int t) const { return dequants_ + t; }
+  const float* dequant(int t) const { return dequants_ + static_cast<size_t>(t) * unfused::kFp8DequantSlot; }
   float* amax(int t, bool training) const { return (training ? amax_ : eval_amax_) + t; }
 
   DeviceState& state_;
@@ -70,7 +71,7 @@ class Fp8Linears {
   bool calibrated_ = false;
 
   float* scales_ = nullptr;        // [count]
-  float* dequants_ = nullptr;      // [count], 1 / scale
+  float* dequants_ = nullptr;      // [count, kFp8DequantSlot], 1 / scale in each slot's first float
   float* history_ = nullptr;       // [count, history]
   float* amax_ = nullptr;          // [count], this step's, gathered by the quantize calls
   float* eval_amax_ = nullptr;     // [count], what evaluation forwards record into (never read)

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 
 namespace coda {
@@ -53,6 +54,20 @@ int StopOnSignal::pending() const { return g_pending; }
 
 const char* stop_signal_name(int signal) {
   return signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "signal";
+}
+
+std::string mpirun_stop_warning(const char* sigkill_timeout) {
+  char* end = nullptr;
+  const long seconds = sigkill_timeout != nullptr ? std::strtol(sigkill_timeout, &end, 10) : 1;
+  const bool parsed = sigkill_timeout == nullptr || (end != sigkill_timeout && *end == '\0');
+  if (parsed && seconds >= kStopGraceSeconds) return "";
+  return std::string("Open MPI's mpirun gives the ranks ") +
+         (parsed ? std::to_string(seconds) + " s" : "an unreadable time (odls_base_sigkill_timeout = " +
+                                                        std::string(sigkill_timeout) + ")") +
+         " between passing on a Ctrl-C or SIGTERM and killing them, too little to finish the step and write a "
+         "checkpoint: start it with `mpirun --mca odls_base_sigkill_timeout " + std::to_string(kStopGraceSeconds) +
+         " ...` (or export OMPI_MCA_odls_base_sigkill_timeout=" + std::to_string(kStopGraceSeconds) +
+         "), or stop the run by signalling the ranks (pkill -TERM -f 'coda train'), which stop at once";
 }
 
 }  // namespace coda

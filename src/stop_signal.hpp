@@ -8,6 +8,7 @@
 // code that calls train() in-process (the tests) keeps its own behaviour outside the loop.
 #pragma once
 #include <csignal>
+#include <string>
 
 namespace coda {
 
@@ -27,5 +28,14 @@ class StopOnSignal {
 
 // The name a user knows a stop signal by: "SIGINT", "SIGTERM".
 const char* stop_signal_name(int signal);
+
+// Open MPI's mpirun passes a Ctrl-C or SIGTERM on to the ranks as SIGTERM odls_base_sigkill_timeout
+// seconds later (1 by default) and sends SIGKILL as long again after that, so a rank has that timeout to
+// finish its step and write the checkpoint (measured with Open MPI 4.1: a gpt2-124m rank whose step takes
+// longer was killed before it saved; with 60 s it saved and exited). Given the timeout as the ranks see
+// it (OMPI_MCA_odls_base_sigkill_timeout, which both `--mca` and an exported variable set; null when
+// neither did), the warning to log before training, or "" when it leaves kStopGraceSeconds.
+constexpr int kStopGraceSeconds = 60;
+std::string mpirun_stop_warning(const char* sigkill_timeout);
 
 }  // namespace coda

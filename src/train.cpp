@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -457,6 +458,10 @@ TrainResult train(const RunConfig& requested, Communicator* comm) {
   using clock = std::chrono::steady_clock;
   const auto run_start = clock::now();
   const StopOnSignal signals;
+  if (root && std::getenv("OMPI_COMM_WORLD_RANK") != nullptr) {
+    const std::string warning = mpirun_stop_warning(std::getenv("OMPI_MCA_odls_base_sigkill_timeout"));
+    if (!warning.empty()) spdlog::warn("{}", warning);
+  }
   while (step < config.steps) {
     const auto start = clock::now();
     const float lr = lr_at(config, step);

@@ -135,6 +135,9 @@ void CublasLt::gemm_fp8(OutT* D, const uint8_t* A, Fp8Format a_format, const flo
   if (a_dequant == nullptr || b_dequant == nullptr)
     throw std::invalid_argument("cuBLASLt FP8: both dequantization factors are required");
   if (K % 16 != 0) throw std::invalid_argument("cuBLASLt FP8: K=" + std::to_string(K) + " must be a multiple of 16");
+  if (reinterpret_cast<uintptr_t>(a_dequant) % 16 != 0 || reinterpret_cast<uintptr_t>(b_dequant) % 16 != 0)
+    throw std::invalid_argument("cuBLASLt FP8: the dequantization factors must be 16-byte aligned (cublasLtMatmul "
+                                "refuses others as not supported)");
   const cudaDataType_t d_type = std::is_same_v<OutT, float> ? CUDA_R_32F : CUDA_R_16BF;
   run(D, d_type, {A, Op::N, fp8_type(a_format), a_dequant}, {B, Op::T, fp8_type(b_format), b_dequant}, M, N, K,
       accumulate, stream);

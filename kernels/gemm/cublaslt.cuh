@@ -39,7 +39,8 @@ class CublasLt {
             bool accumulate, cudaStream_t stream);
   void gemm(float* D, const __nv_bfloat16* A, Op op_a, const __nv_bfloat16* B, Op op_b, int M, int N, int K,
             bool accumulate, cudaStream_t stream);
-  // D[M, N] (bf16 or fp32) = a_dequant b_dequant (A[M, K] B[N, K]^T) (+ D), A and B FP8 of the given formats.
+  // D[M, N] (bf16 or fp32) = a_dequant b_dequant (A[M, K] B[N, K]^T) (+ D), A and B FP8 of the given formats;
+  // each factor 16-byte aligned.
   template <typename OutT>
   void gemm_fp8(OutT* D, const uint8_t* A, Fp8Format a_format, const float* a_dequant, const uint8_t* B,
                 Fp8Format b_format, const float* b_dequant, int M, int N, int K, bool accumulate, cudaStream_t stream);

@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < history_len; ++i) m = fmaxf(m, ring[i]);
   if (m > 0.0f) {
     scale[t] = ldexpf(largest / m, -margin);
-    dequant[t] = 1.0f / scale[t];
+    dequant[t * kFp8DequantSlot] = 1.0f / scale[t];
   }
 }
 

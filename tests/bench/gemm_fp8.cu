@@ -54,7 +54,9 @@ struct Fp8Operands {
   std::vector<uint8_t*> A, B;
   void* D = nullptr;
   void* D_ref = nullptr;
-  float* dequant = nullptr;  // [dq_a, dq_b]
+  float* dequant = nullptr;  // dq_a, dq_b in 16-byte slots (cuBLASLt's alignment for scale pointers)
+  const float* dq_a() const { return dequant; }
+  const float* dq_b() const { return dequant + 4; }
   explicit Fp8Operands(const Fp8Shape& s)
       : a_elems(size_t(s.M) * s.K), b_elems(size_t(s.N) * s.K), d_elems(size_t(s.M) * s.N) {
     sets = bench::rotation_sets(a_elems + b_elems);
@@ -71,8 +73,8 @@ struct Fp8Operands {
     const size_t out_bytes = s.fp32_out ? 4 : 2;
     CUDA_CHECK(cudaMalloc(&D, d_elems * out_bytes));
     CUDA_CHECK(cudaMalloc(&D_ref, d_elems * out_bytes));
-    CUDA_CHECK(cudaMalloc(&dequant, 2 * sizeof(float)));
-    const float factors[2] = {1.0f / 64.0f, 1.0f / 64.0f};
+    CUDA_CHECK(cudaMalloc(&dequant, 8 * sizeof(float)));
+    const float factors[8] = {1.0f / 64.0f, 0.0f, 0.0f, 0.0f, 1.0f / 64.0f, 0.0f, 0.0f, 0.0f};
     CUDA_CHECK(cudaMemcpy(dequant, factors, sizeof(factors), cudaMemcpyHostToDevice));
   }
   ~Fp8Operands() {
@@ -86,7 +88,7 @@ struct Fp8Operands {
 
 void run_ours(const Fp8Shape& s, Fp8Operands& ops, int i, GemmTile tile, bool accumulate) {
   const int k = i % ops.sets;
-  const float *da = ops.dequant, *db = ops.dequant + 1;
+  const float *da = ops.dq_a(), *db = ops.dq_b();
   if (s.fp32_out)
     gemm_fp8<GemmLayout::ForwardE5m2>(static_cast<float*>(ops.D), ops.A[k], da, ops.B[k], db, s.M, s.N, s.K, accumulate,
                                       nullptr, tile);
@@ -102,11 +104,11 @@ void run_cublas(const Fp8Shape& s, Fp8Operands& ops, int i, CublasLt& cublas, bo
   const int k = i % ops.sets;
   const Fp8Format a = s.layout == GemmLayout::ForwardE5m2 ? Fp8Format::E5M2 : Fp8Format::E4M3;
   if (s.fp32_out)
-    cublas.gemm_fp8(static_cast<float*>(ops.D_ref), ops.A[k], a, ops.dequant, ops.B[k], Fp8Format::E4M3,
-                    ops.dequant + 1, s.M, s.N, s.K, accumulate, nullptr);
+    cublas.gemm_fp8(static_cast<float*>(ops.D_ref), ops.A[k], a, ops.dq_a(), ops.B[k], Fp8Format::E4M3,
+                    ops.dq_b(), s.M, s.N, s.K, accumulate, nullptr);
   else
-    cublas.gemm_fp8(static_cast<__nv_bfloat16*>(ops.D_ref), ops.A[k], a, ops.dequant, ops.B[k], Fp8Format::E4M3,
-                    ops.dequant + 1, s.M, s.N, s.K, false, nullptr);
+    cublas.gemm_fp8(static_cast<__nv_bfloat16*>(ops.D_ref), ops.A[k], a, ops.dq_a(), ops.B[k], Fp8Format::E4M3,
+                    ops.dq_b(), s.M, s.N, s.K, false, nullptr);
 }
 
 // Ours against cuBLASLt's on the first operand set, both overwriting.

@@ -28,6 +28,7 @@
 #include "checkpoint.hpp"
 #include "data.hpp"
 #include "prepare.hpp"
+#include "stop_signal.hpp"
 #include "tests/test_util.hpp"
 #include "train.hpp"
 
@@ -665,6 +666,20 @@ TEST_F(Training, SigintStopsWithACheckpointAndTheRunResumes) {
   EXPECT_EQ(exit_code(resumed), 0) << read_text(*root_ / "sigint_resume.log");
   EXPECT_EQ(coda::load_checkpoint(coda::find_checkpoint(c.out)).state.step, steps_done + 2);
   EXPECT_EQ(static_cast<int>(metrics(c.out).size()), steps_done + 2);
+}
+
+// Under Open MPI's mpirun the ranks get odls_base_sigkill_timeout seconds (1 unless set) between the
+// SIGTERM that carries a Ctrl-C and SIGKILL: under kStopGraceSeconds, training starts with a warning that
+// names the setting and the other way to stop.
+TEST(StopSignal, MpirunWarnsWhenItsKillTimeoutLeavesNoTimeToSave) {
+  for (const char* timeout : {static_cast<const char*>(nullptr), "1", "59", "ten", "", "30s"}) {
+    const std::string warning = coda::mpirun_stop_warning(timeout);
+    EXPECT_NE(warning.find("--mca odls_base_sigkill_timeout"), std::string::npos) << (timeout ? timeout : "unset");
+  }
+  EXPECT_NE(coda::mpirun_stop_warning(nullptr).find("ranks 1 s between"), std::string::npos);
+  EXPECT_NE(coda::mpirun_stop_warning("ten").find("unreadable"), std::string::npos);
+  EXPECT_EQ(coda::mpirun_stop_warning("60"), "");
+  EXPECT_EQ(coda::mpirun_stop_warning("300"), "");
 }
 
 // What the console shows around the loop: sample_every's samples and the closing summary.

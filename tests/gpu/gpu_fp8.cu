@@ -122,20 +122,21 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
   float *scale = nullptr, *dequant = nullptr, *ring = nullptr, *damax = nullptr;
   unsigned int* bad = nullptr;
   CUDA_CHECK(cudaMalloc(&scale, count * sizeof(float)));
-  CUDA_CHECK(cudaMalloc(&dequant, count * sizeof(float)));
+  constexpr int slot = coda::unfused::kFp8DequantSlot;
+  CUDA_CHECK(cudaMalloc(&dequant, count * slot * sizeof(float)));
   CUDA_CHECK(cudaMalloc(&ring, count * history * sizeof(float)));
   CUDA_CHECK(cudaMalloc(&damax, count * sizeof(float)));
   CUDA_CHECK(cudaMalloc(&bad, sizeof(unsigned int)));
-  const std::vector<float> ones(count, 1.0f);
+  const std::vector<float> ones(count * slot, 1.0f);
   CUDA_CHECK(cudaMemcpy(scale, ones.data(), count * sizeof(float), cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(dequant, ones.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dequant, ones.data(), count * slot * sizeof(float), cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemset(ring, 0, count * history * sizeof(float)));
   for (int step = 0; step < steps; ++step) {
     CUDA_CHECK(cudaMemset(bad, 0, sizeof(unsigned int)));
     CUDA_CHECK(cudaMemcpy(damax, amax[step], count * sizeof(float), cudaMemcpyHostToDevice));
     coda::unfused::fp8_update_scales(scale, dequant, ring, damax, count, history, step, margin, Fp8Format::E4M3, bad,
                                      nullptr);
-    float got[count], got_dequant[count], left[count];
+    float got[count], got_dequant[count * slot], left[count];
     unsigned int flagged = 0;
     CUDA_CHECK(cudaMemcpy(left, damax, sizeof(left), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(got, scale, sizeof(got), cudaMemcpyDeviceToHost));
@@ -150,7 +151,7 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
         if (expected_flag == 0) expected_flag = t + 1;
       }
       EXPECT_EQ(got[t], host[t].scale()) << "step " << step << " tensor " << t;
-      EXPECT_EQ(got_dequant[t], 1.0f / host[t].scale()) << "step " << step << " tensor " << t;
+      EXPECT_EQ(got_dequant[t * slot], 1.0f / host[t].scale()) << "step " << step << " tensor " << t;
       EXPECT_EQ(left[t], 0.0f) << "the update zeroes the amax for the next step's quantize calls";
     }
     EXPECT_EQ(flagged, expected_flag) << "step " << step;
@@ -168,7 +169,7 @@ struct Fp8Product {
   Fp8Format a_format, b_format;
   std::vector<uint8_t> host_a, host_b;
   coda::test::DeviceCopy<uint8_t> a, b;
-  coda::test::DeviceBuffer<float> dequant;  // [dq_a, dq_b]
+  coda::test::DeviceBuffer<float> dequant;  // dq_a and dq_b, each in a 16-byte slot as the trainer keeps them
   std::vector<double> expected, magnitude;
 
   static std::vector<uint8_t> codes(size_t count, Fp8Format format, uint64_t seed) {
@@ -180,7 +181,7 @@ struct Fp8Product {
   Fp8Product(int m, int n, int k, Fp8Format af, Fp8Format bf, uint64_t seed)
       : M(m), N(n), K(k), a_format(af), b_format(bf), host_a(codes(size_t(m) * k, af, seed)),
         host_b(codes(size_t(n) * k, bf, seed + 1)), a(host_a), b(host_b),
-        dequant(std::vector<float>(kFactors, kFactors + 2)), expected(size_t(m) * n, 0.0), magnitude(expected.size(), 0.0) {
+        dequant(std::vector<float>{kFactors[0], 0.0f, 0.0f, 0.0f, kFactors[1], 0.0f, 0.0f, 0.0f}), expected(size_t(m) * n, 0.0), magnitude(expected.size(), 0.0) {
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < N; ++j)
         for (int kk = 0; kk < K; ++kk) {
@@ -190,6 +191,8 @@ struct Fp8Product {
           magnitude[size_t(i) * N + j] += std::fabs(term);
         }
   }
+  const float* dq_a() const { return dequant.get(); }
+  const float* dq_b() const { return dequant.get() + 4; }
   std::string formats() const {
     return std::string(coda::fp8_format_name(a_format)) + " x " + coda::fp8_format_name(b_format);
   }
@@ -222,9 +225,9 @@ TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
     coda::test::DeviceBuffer<float> d(std::vector<float>(f.expected.size(), 0.5f));  // fp32 D accumulates onto it
     coda::test::DeviceBuffer<bf16> h(f.expected.size());
     h.poison();
-    cublas.gemm_fp8(d.get(), f.a.get(), a_format, f.dequant.get(), f.b.get(), b_format, f.dequant.get() + 1, f.M, f.N,
+    cublas.gemm_fp8(d.get(), f.a.get(), a_format, f.dq_a(), f.b.get(), b_format, f.dq_b(), f.M, f.N,
                     f.K, true, nullptr);
-    cublas.gemm_fp8(h.get(), f.a.get(), a_format, f.dequant.get(), f.b.get(), b_format, f.dequant.get() + 1, f.M, f.N,
+    cublas.gemm_fp8(h.get(), f.a.get(), a_format, f.dq_a(), f.b.get(), b_format, f.dq_b(), f.M, f.N,
                     f.K, false, nullptr);
     EXPECT_LT(f.worst(d.download(), 0.5f), kFp32Limit) << f.formats();
     EXPECT_LT(f.worst(h.download(), 0.0f), kBf16Limit) << f.formats();
@@ -252,15 +255,15 @@ TEST(GpuFp8, HandWrittenFp8GemmEqualsTheDecodedProduct) {
         coda::test::DeviceBuffer<bf16> h(f.expected.size());
         h.poison();
         if (layout == GemmLayout::ForwardE4m3)
-          coda::gemm_fp8<GemmLayout::ForwardE4m3>(h.get(), f.a.get(), f.dequant.get(), f.b.get(), f.dequant.get() + 1,
+          coda::gemm_fp8<GemmLayout::ForwardE4m3>(h.get(), f.a.get(), f.dq_a(), f.b.get(), f.dq_b(),
                                                   M, N, K, false, nullptr, tile);
         else
-          coda::gemm_fp8<GemmLayout::ForwardE5m2>(h.get(), f.a.get(), f.dequant.get(), f.b.get(), f.dequant.get() + 1,
+          coda::gemm_fp8<GemmLayout::ForwardE5m2>(h.get(), f.a.get(), f.dq_a(), f.b.get(), f.dq_b(),
                                                   M, N, K, false, nullptr, tile);
         EXPECT_LT(f.worst(h.download(), 0.0f), kBf16Limit) << what;
         if (layout == GemmLayout::ForwardE5m2) {
           coda::test::DeviceBuffer<float> d(std::vector<float>(f.expected.size(), 0.5f));
-          coda::gemm_fp8<GemmLayout::ForwardE5m2>(d.get(), f.a.get(), f.dequant.get(), f.b.get(), f.dequant.get() + 1,
+          coda::gemm_fp8<GemmLayout::ForwardE5m2>(d.get(), f.a.get(), f.dq_a(), f.b.get(), f.dq_b(),
                                                   M, N, K, true, nullptr, tile);
           EXPECT_LT(f.worst(d.download(), 0.5f), kFp8WgmmaLimit) << what;
         }
@@ -273,8 +276,8 @@ TEST(GpuFp8, HandWrittenFp8GemmEqualsTheDecodedProduct) {
                                                        false, nullptr),
                std::invalid_argument)
       << "the dequantization factors are missing";
-  EXPECT_THROW(coda::gemm_fp8<GemmLayout::ForwardE4m3>(out.get(), f.a.get(), f.dequant.get(), f.b.get(),
-                                                       f.dequant.get() + 1, 64, 64, 24, false, nullptr),
+  EXPECT_THROW(coda::gemm_fp8<GemmLayout::ForwardE4m3>(out.get(), f.a.get(), f.dq_a(), f.b.get(),
+                                                       f.dq_b(), 64, 64, 24, false, nullptr),
                std::invalid_argument)
       << "K = 24: rows of 24 bytes are not a multiple of 16";
 }

@@ -239,25 +239,27 @@ TEST_P(GpuModel, DeterministicRunsRepeatBitForBit) {
   for (int step = 0; step < steps; ++step) EXPECT_NEAR(usual.losses[step], a.losses[step], 1e-3 * a.losses[step]);
 }
 
-// kernels = auto runs the CODA mode where its programs cover the model and the unfused mode elsewhere: a
-// Llama with head_dim 32 (the RoPE epilogue takes 64 and 128) is refused by kernels = coda, naming the
-// head size, and runs unfused under auto.
-TEST(GpuBackendChoice, AutoRunsUnfusedWhereTheCodaProgramsDoNotCoverTheModel) {
+// kernels = auto runs the CODA mode for every architecture (their validated features are what the programs
+// cover, so its fallback to the unfused mode guards models outside them: coda_unsupported_reason, tested
+// on the CPU), and kernels = coda refuses a feature its programs lack, naming it (a Llama with an MLP bias,
+// which architecture validation would reject before a backend is made).
+TEST(GpuBackendChoice, AutoRunsCodaForEveryArchitectureAndCodaRefusesWhatItLacks) {
   SKIP_WITHOUT_GPU();
   coda::RunConfig run;
   run.device = "cuda";
-  run.model = tiny_model(coda::Arch::Llama);
-  run.model.mlp_bias = true;  // the RMSNorm family's programs have no MLP bias; the unfused mode has
   run.batch_size = 2, run.seq_len = 32;
+  for (coda::Arch arch : {coda::Arch::GPT2, coda::Arch::Llama, coda::Arch::Qwen2}) {
+    run.model = tiny_model(arch);
+    EXPECT_EQ(coda::make_backend(run)->name(), "cuda-coda") << coda::arch_name(arch);
+  }
+  coda::ModelConfig biased = tiny_model(coda::Arch::Llama);
+  biased.mlp_bias = true;
   try {
-    coda::make_cuda_backend(run.model, "coda", run.batch_size, run.seq_len);
+    coda::make_cuda_backend(biased, "coda", run.batch_size, run.seq_len);
     ADD_FAILURE() << "kernels coda accepted a llama model with an MLP bias";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("bias"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(coda::make_backend(run)->name(), "cuda-unfused");
-  run.model = tiny_model(coda::Arch::Llama);
-  EXPECT_EQ(coda::make_backend(run)->name(), "cuda-coda");
 }
 
 INSTANTIATE_TEST_SUITE_P(ArchMode, GpuModel,
