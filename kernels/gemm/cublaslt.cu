@@ -66,9 +66,8 @@ const CublasLt::Plan& CublasLt::plan(const Key& key) {
                                           a_t ? M : K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->d, static_cast<cudaDataType_t>(d_type), N, M, N));
   if (static_cast<cudaDataType_t>(a_type) != CUDA_R_16BF) {
-    // An FP8 plan is chosen with its scale pointers set (to the workspace until a run sets the operands'
-    // factors): an algorithm chosen without them need not apply per-tensor scales, and cublasLtMatmul
-    // then refuses it (CUBLAS_STATUS_NOT_SUPPORTED).
+    // An FP8 plan is chosen with its scale pointers set (to the workspace, 16-byte aligned as a run's
+    // factors must be, until a run sets the operands' own), so the heuristic sees the descriptor the runs use.
     for (const auto attribute : {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER})
       CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, attribute, &workspace_, sizeof(workspace_)));
   }
