@@ -58,10 +58,10 @@ void quantize_fp8_transposed(uint8_t* qt, uint8_t* q, float* amax, const bf16* x
 // the next step) goes into its history ring (history[t * history_len + step % history_len]), and scale[t] =
 // largest / (max of the history * 2^margin), dequant[t * kFp8DequantSlot] = 1 / scale[t], for the next step
 // (each factor in its own 16-byte slot: cuBLASLt refuses an FP8 GEMM whose scale pointer is not 16-byte
-// aligned, with CUBLAS_STATUS_NOT_SUPPORTED from cublasLtMatmul after its heuristic accepted the plan); a history of
-// zeros keeps the scale. A
-// non-finite amax keeps the tensor's scale and history and sets *bad to t + 1 (the first such tensor), which
-// the host reads with the step's loss: no inf or NaN reaches a scale, and the report names the tensor.
+// aligned, with CUBLAS_STATUS_NOT_SUPPORTED from cublasLtMatmul after its heuristic accepted the plan); a
+// history of zeros keeps the scale. A non-finite amax keeps the tensor's scale and history and sets *bad to
+// t + 1 (the first such tensor), which the host reads with the step's loss: no inf or NaN reaches a scale,
+// and the report names the tensor.
 constexpr int kFp8DequantSlot = 4;
 void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
                        int step, int margin, Fp8Format format, unsigned int* bad, cudaStream_t stream);

@@ -181,7 +181,8 @@ struct Fp8Product {
   Fp8Product(int m, int n, int k, Fp8Format af, Fp8Format bf, uint64_t seed)
       : M(m), N(n), K(k), a_format(af), b_format(bf), host_a(codes(size_t(m) * k, af, seed)),
         host_b(codes(size_t(n) * k, bf, seed + 1)), a(host_a), b(host_b),
-        dequant(std::vector<float>{kFactors[0], 0.0f, 0.0f, 0.0f, kFactors[1], 0.0f, 0.0f, 0.0f}), expected(size_t(m) * n, 0.0), magnitude(expected.size(), 0.0) {
+        dequant(std::vector<float>{kFactors[0], 0.0f, 0.0f, 0.0f, kFactors[1], 0.0f, 0.0f, 0.0f}),
+        expected(size_t(m) * n, 0.0), magnitude(expected.size(), 0.0) {
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < N; ++j)
         for (int kk = 0; kk < K; ++kk) {
@@ -237,6 +238,12 @@ TEST(GpuFp8, CublasLtFp8GemmEqualsTheDecodedProduct) {
   EXPECT_THROW(cublas.gemm_fp8(dummy, none, Fp8Format::E5M2, dummy, none, Fp8Format::E5M2, dummy, 16, 16, 16, false,
                                nullptr),
                std::invalid_argument);
+  Fp8Product f(64, 64, 32, Fp8Format::E4M3, Fp8Format::E4M3, 3);
+  coda::test::DeviceBuffer<bf16> out(64 * 64);
+  EXPECT_THROW(cublas.gemm_fp8(out.get(), f.a.get(), Fp8Format::E4M3, f.dq_a() + 1, f.b.get(), Fp8Format::E4M3,
+                               f.dq_b(), 64, 64, 32, false, nullptr),
+               std::invalid_argument)
+      << "a factor 4 bytes past a 16-byte boundary, which cublasLtMatmul would refuse as not supported";
 }
 
 // The hand-written GEMM's FP8 layouts (gemm_fp8) on every compiled tile against the decoded product, as
