@@ -104,14 +104,8 @@ echo "== coda train against coda bench (gpt2-124m, B=32, T=1024, 40 steps on the
 "$bin/coda" train --config configs/gpt2-124m.toml --device cuda --steps 40 --log_every 10 --val_every 0 \
   --train_data "$data/synthetic/train_*.bin" --val_data "$data/synthetic/val_*.bin" --out "$data/train_gpt2" \
   >"$logs/train_gpt2.log" 2>&1 || status=1
-train_vs_bench=$(python3 - "$data/train_gpt2/metrics.jsonl" "$logs/bench_gpt2-124m.json" <<'PY' 2>/dev/null || echo "no result"
-import json, statistics, sys
-ms = [r["ms"] for r in map(json.loads, open(sys.argv[1])) if "ms" in r][5:]
-bench = {r["backend"]: r["median_ms"] for r in json.load(open(sys.argv[2]))}["cuda-coda"]
-train = statistics.median(ms)
-print(f"train {train:.2f} ms/step (median of steps 6-40), bench {bench:.2f}: train / bench {train / bench:.3f}")
-PY
-)
+train_vs_bench=$(python3 scripts/train_vs_bench.py "$data/train_gpt2/metrics.jsonl" "$logs/bench_gpt2-124m.json" \
+  2>/dev/null || echo "no result")
 zero1_same=$(python3 - "$data" <<'PY' 2>/dev/null || echo "no result"
 import json, sys
 records = [[json.loads(l) for l in open(f"{sys.argv[1]}/{m}/metrics.jsonl")] for m in ("plain", "zero1")]

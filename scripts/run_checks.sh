@@ -2,8 +2,8 @@
 # What a user sees of training runs on a GPU machine, end to end: Ctrl-C under mpirun (the step in progress
 # finishes, a checkpoint is written, the exit code says which signal, and --resume continues from it),
 # fine-tuning from a GPT-2 directory that transformers wrote (--init_from, in both GPU modes, with
-# sample_every; the GPU's first loss against the CPU reference's), and llama3.2-1b's start-up (from the
-# command to the first logged step) with its `coda train` step against `coda bench`. A summary table last.
+# sample_every; the GPU's first loss against the CPU reference's), and llama3.2-1b's start-up (from its
+# first log line to its first step) with its `coda train` step against `coda bench`. A summary table last.
 #   scripts/run_checks.sh [BIN_DIR]     the binaries (default: build/)
 # Needs a GPU, mpirun, and python3 with torch and transformers (to write the Hugging Face directory).
 # Logs go to BIN_DIR/run-logs. Exits non-zero if a check failed.
@@ -66,6 +66,7 @@ GPT2LMHeadModel(config).save_pretrained(sys.argv[1], safe_serialization=True)
 PY
 [[ -f $hf/model.safetensors ]] || report "transformers writes GPT-2" 1 "see $logs/hf_write.log"
 first_loss() { python3 -c "import json,sys; print([json.loads(l)['loss'] for l in open(sys.argv[1]) if '\"loss\"' in l][0])" "$1"; }
+declare -A loss
 for device in cpu cuda:unfused cuda:coda; do
   kernels=${device#*:}
   [[ $device == cpu ]] && kernels=auto
@@ -73,45 +74,34 @@ for device in cpu cuda:unfused cuda:coda; do
     --seq_len 128 --steps 30 --sample_every 10 --log_every 1 --val_every 0 "${data[@]}" \
     --out "$work/init_${device/:/_}" >"$logs/init_${device/:/_}.log" 2>&1
   rc=$?
-  loss=$(first_loss "$work/init_${device/:/_}/metrics.jsonl" 2>/dev/null || echo "-")
+  loss[$device]=$(first_loss "$work/init_${device/:/_}/metrics.jsonl" 2>/dev/null || echo nan)
   samples=$(grep -c 'sample: ' "$logs/init_${device/:/_}.log")
   report "--init_from HF GPT-2 ($device)" $([[ $rc == 0 && $samples -ge 3 ]] && echo 0 || echo 1) \
-    "rc $rc, step-1 loss $loss, $samples sample lines"
-  eval "loss_${device/:/_}=$loss"
+    "rc $rc, step-1 loss ${loss[$device]}, $samples sample lines"
 done
 close=$(python3 -c "import sys; a, b, c = map(float, sys.argv[1:]); print(int(max(abs(b - a), abs(c - a)) < 0.01 * a))" \
-  "${loss_cpu:-nan}" "${loss_cuda_unfused:-nan}" "${loss_cuda_coda:-nan}" 2>/dev/null || echo 0)
+  "${loss[cpu]}" "${loss[cuda:unfused]}" "${loss[cuda:coda]}" 2>/dev/null || echo 0)
 report "HF GPT-2: GPU step-1 loss = CPU's" $([[ $close == 1 ]] && echo 0 || echo 1) \
-  "cpu $loss_cpu, unfused $loss_cuda_unfused, coda $loss_cuda_coda (1%)"
+  "cpu ${loss[cpu]}, unfused ${loss[cuda:unfused]}, coda ${loss[cuda:coda]} (1%)"
 
 # 3. llama3.2-1b: start-up time and the training step against the bench step.
-start=$(date +%s.%N)
 "$bin/coda" train --config configs/llama3.2-1b.toml --device cuda --steps 25 --log_every 1 --val_every 0 \
   "${data[@]}" --out "$work/llama" >"$logs/llama_train.log" 2>&1
 rc=$?
 "$bin/coda" bench --config configs/llama3.2-1b.toml --kernels coda --warmup 3 --steps 20 \
   --json "$logs/llama_bench.json" >"$logs/llama_bench.log" 2>&1 || status=1
-python3 - "$work/llama/metrics.jsonl" "$logs/llama_bench.json" "$start" "$(stat -c %Y "$work/llama/metrics.jsonl" 2>/dev/null)" \
-  >"$logs/llama_summary.txt" 2>&1 <<'PY'
-import json, statistics, sys
-records = [json.loads(l) for l in open(sys.argv[1])]
-ms = [r["ms"] for r in records if "ms" in r][5:]
-bench = json.load(open(sys.argv[2]))[0]["median_ms"]
-print(f"train {statistics.median(ms):.1f} ms/step (steps 6-25), bench {bench:.1f}: train / bench "
-      f"{statistics.median(ms) / bench:.3f}")
-PY
+against_bench=$(python3 scripts/train_vs_bench.py "$work/llama/metrics.jsonl" "$logs/llama_bench.json" 2>&1 | tail -n 1)
 first_step_at=$(python3 - "$logs/llama_train.log" <<'PY' 2>/dev/null
 import re, sys
 from datetime import datetime
-stamps = [re.match(r"\[(\d\d:\d\d:\d\d)\]", l) for l in open(sys.argv[1])]
-stamps = [datetime.strptime(m.group(1), "%H:%M:%S") for m in stamps if m]
-lines = [l for l in open(sys.argv[1]) if re.match(r"\[\d\d:\d\d:\d\d\]", l)]
-first = next(i for i, l in enumerate(lines) if re.search(r"\bstep\s+1/", l))
-print(int((stamps[first] - stamps[0]).total_seconds()))
+stamped = [(m.group(1), line) for line in open(sys.argv[1]) for m in [re.match(r"\[(\d\d:\d\d:\d\d)\]", line)] if m]
+first = next(stamp for stamp, line in stamped if re.search(r"\bstep\s+1/", line))
+seconds = datetime.strptime(first, "%H:%M:%S") - datetime.strptime(stamped[0][0], "%H:%M:%S")
+print(int(seconds.total_seconds()))
 PY
 )
 report "llama3.2-1b coda train" $([[ $rc == 0 ]] && echo 0 || echo 1) \
-  "rc $rc, first log line to step 1: ${first_step_at:-?} s; $(cat "$logs/llama_summary.txt" | tail -n 1)"
+  "rc $rc, first log line to step 1: ${first_step_at:-?} s; $against_bench"
 
 echo
 echo "== run checks ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"

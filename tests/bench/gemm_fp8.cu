@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/gemm/cublaslt.cuh"
+#include "kernels/unfused/unfused.cuh"
 #include "tests/bench/gemm_bench.cuh"
 
 namespace coda::gemm_bench {
@@ -56,7 +57,7 @@ struct Fp8Operands {
   void* D_ref = nullptr;
   float* dequant = nullptr;  // dq_a, dq_b in 16-byte slots (cuBLASLt's alignment for scale pointers)
   const float* dq_a() const { return dequant; }
-  const float* dq_b() const { return dequant + 4; }
+  const float* dq_b() const { return dequant + unfused::kFp8DequantSlot; }
   explicit Fp8Operands(const Fp8Shape& s)
       : a_elems(size_t(s.M) * s.K), b_elems(size_t(s.N) * s.K), d_elems(size_t(s.M) * s.N) {
     sets = bench::rotation_sets(a_elems + b_elems);
@@ -73,9 +74,10 @@ struct Fp8Operands {
     const size_t out_bytes = s.fp32_out ? 4 : 2;
     CUDA_CHECK(cudaMalloc(&D, d_elems * out_bytes));
     CUDA_CHECK(cudaMalloc(&D_ref, d_elems * out_bytes));
-    CUDA_CHECK(cudaMalloc(&dequant, 8 * sizeof(float)));
-    const float factors[8] = {1.0f / 64.0f, 0.0f, 0.0f, 0.0f, 1.0f / 64.0f, 0.0f, 0.0f, 0.0f};
-    CUDA_CHECK(cudaMemcpy(dequant, factors, sizeof(factors), cudaMemcpyHostToDevice));
+    std::vector<float> factors(2 * unfused::kFp8DequantSlot, 0.0f);
+    factors[0] = factors[unfused::kFp8DequantSlot] = 1.0f / 64.0f;
+    CUDA_CHECK(cudaMalloc(&dequant, factors.size() * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(dequant, factors.data(), factors.size() * sizeof(float), cudaMemcpyHostToDevice));
   }
   ~Fp8Operands() {
     for (auto* p : A) cudaFree(p);

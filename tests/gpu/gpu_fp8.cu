@@ -181,7 +181,7 @@ struct Fp8Product {
   Fp8Product(int m, int n, int k, Fp8Format af, Fp8Format bf, uint64_t seed)
       : M(m), N(n), K(k), a_format(af), b_format(bf), host_a(codes(size_t(m) * k, af, seed)),
         host_b(codes(size_t(n) * k, bf, seed + 1)), a(host_a), b(host_b),
-        dequant(std::vector<float>{kFactors[0], 0.0f, 0.0f, 0.0f, kFactors[1], 0.0f, 0.0f, 0.0f}),
+        dequant(slotted_factors()),
         expected(size_t(m) * n, 0.0), magnitude(expected.size(), 0.0) {
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < N; ++j)
@@ -192,8 +192,13 @@ struct Fp8Product {
           magnitude[size_t(i) * N + j] += std::fabs(term);
         }
   }
+  static std::vector<float> slotted_factors() {
+    std::vector<float> slots(2 * coda::unfused::kFp8DequantSlot, 0.0f);
+    slots[0] = kFactors[0], slots[coda::unfused::kFp8DequantSlot] = kFactors[1];
+    return slots;
+  }
   const float* dq_a() const { return dequant.get(); }
-  const float* dq_b() const { return dequant.get() + 4; }
+  const float* dq_b() const { return dequant.get() + coda::unfused::kFp8DequantSlot; }
   std::string formats() const {
     return std::string(coda::fp8_format_name(a_format)) + " x " + coda::fp8_format_name(b_format);
   }
