@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 
 #include "dist_plan.hpp"
@@ -61,8 +62,13 @@ double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats) {
 // before the last micro-batch exactly as train() does; tokens/s counts the job, tokens/s per GPU and MFU one
 // GPU. Scaling = tokens/s per GPU at N ranks over the figure of a one-GPU run. time_gradient_all_reduce gives
 // the communication's whole cost for comparison: an all-reduce of the gradient's size with nothing to overlap.
-// Energy: on a GPU whose NVML energy counter can be read, the joules of the timed steps on this rank's GPU,
-// their mean power and SM clock, and tokens per joule.
+// Energy: on a GPU whose NVML energy counter can be read, the joules per step on this rank's GPU, their
+// mean power and SM clock, and tokens per joule, over the timed steps and as many more as make the window
+// at least kMinEnergySeconds long: the counter moves in steps of about 100 ms (energy.hpp), one of which
+// is 5% of thirty gpt2-124m steps, so a short window reads whichever whole number of updates it spans.
+// Every rank runs the largest count any rank needs (each step all-reduces).
+constexpr double kMinEnergySeconds = 10.0;
+
 std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm) {
   if (steps < 1) throw std::invalid_argument("steps must be >= 1");
   if (warmup < 0) throw std::invalid_argument("warmup must be >= 0");
@@ -116,9 +122,8 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
     backend->load_params(params.data());
     std::vector<double> ms, forward_ms, backward_ms, optimizer_ms;
     const std::unique_ptr<EnergyMeter> meter = device == "cuda" ? EnergyMeter::for_current_device() : nullptr;
-    for (int step = 0; step < warmup + steps; ++step) {
-      profile::set_recording(step >= warmup);
-      if (meter != nullptr && step == warmup) meter->start();  // the step before ended on the host's sync
+    // One optimizer step; its wall time, forward and backward phases into the medians when timed.
+    auto run_step = [&](int step, bool timed) {
       const auto start = std::chrono::steady_clock::now();
       backend->zero_grad();
       PhaseTimes phases;
@@ -134,20 +139,35 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
       const float clip = run.grad_clip > 0.0f && norm > run.grad_clip ? run.grad_clip / norm : 1.0f;
       backend->adamw_step({lr_at(run, step), run.beta1, run.beta2, run.adam_eps, run.weight_decay}, step + 1, clip);
       backend->grad_norm();
-      if (step >= warmup) {
+      if (timed) {
         ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
         forward_ms.push_back(phases.forward_ms);
         backward_ms.push_back(phases.backward_ms);
         optimizer_ms.push_back(backend->last_phase_times().optimizer_ms);
       }
-    }
+    };
+    profile::set_recording(false);
+    for (int step = 0; step < warmup; ++step) run_step(step, false);
+    profile::set_recording(true);
+    if (meter != nullptr) meter->start();  // the warm-up's last step ended on the host's sync
+    const auto timed_start = std::chrono::steady_clock::now();
+    for (int step = warmup; step < warmup + steps; ++step) run_step(step, true);
+    profile::set_recording(false);
+    const double timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
+    const float wanted = meter != nullptr && timed_s < kMinEnergySeconds
+                             ? static_cast<float>(std::ceil((kMinEnergySeconds - timed_s) / (timed_s / steps)))
+                             : 0.0f;
+    const int extra_steps = static_cast<int>(comm != nullptr ? comm->all_reduce_scalar(wanted, ReduceOp::Max) : wanted);
+    for (int step = warmup + steps; step < warmup + steps + extra_steps; ++step) run_step(step, false);
     BenchResult result;
     if (meter != nullptr) {
       const EnergyReading energy = meter->stop();
-      result.joules_per_step = energy.joules / steps;
+      const int energy_steps = steps + extra_steps;
+      result.joules_per_step = energy.joules / energy_steps;
       result.mean_power_w = energy.mean_power_w;
       result.mean_sm_clock_mhz = energy.mean_sm_clock_mhz;
-      if (energy.joules > 0.0) result.tokens_per_joule = static_cast<double>(tokens.size()) * steps / energy.joules;
+      if (energy.joules > 0.0)
+        result.tokens_per_joule = static_cast<double>(tokens.size()) * energy_steps / energy.joules;
     }
     result.backend = backend->name();
     result.steps = steps;

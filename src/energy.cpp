@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <chrono>
+#include <tuple>
 
 namespace coda {
 
@@ -81,12 +82,25 @@ unsigned EnergyMeter::sm_clock_mhz() const {
   return nvml_->clock_info(nvml_->device, kNvmlClockSm, &mhz) == kNvmlSuccess ? mhz : 0;
 }
 
+std::pair<unsigned long long, double> EnergyMeter::next_update() const {
+  constexpr double kMaxUpdateWait = 0.5;  // seconds: several update periods
+  const unsigned long long first = energy_mj();
+  const double begin = now_s();
+  unsigned long long mj = first;
+  double t = begin;
+  while (mj == first && t - begin < kMaxUpdateWait) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    mj = energy_mj();
+    t = now_s();
+  }
+  return {mj, t};
+}
+
 void EnergyMeter::start() {
   if (sampler_.joinable()) stop();
   clock_sum_ = 0.0;
   clock_samples_ = 0;
-  start_mj_ = energy_mj();
-  start_s_ = now_s();
+  std::tie(start_mj_, start_s_) = next_update();
   sampling_ = true;
   sampler_ = std::thread([this] {
     while (sampling_) {
@@ -100,8 +114,7 @@ void EnergyMeter::start() {
 }
 
 EnergyReading EnergyMeter::stop() {
-  const unsigned long long end_mj = energy_mj();
-  const double end_s = now_s();
+  const auto [end_mj, end_s] = next_update();
   sampling_ = false;
   if (sampler_.joinable()) sampler_.join();
   EnergyReading r;

@@ -1,8 +1,12 @@
 // Energy, power and SM clock of a GPU over an interval, read from NVML. On the H200 every training step
 // runs at the 700 W power cap, so the clock falls until the power fits: a step then costs about
 // 700 W x its time, and its energy is the objective that time follows. NVML's total-energy counter
-// (millijoules since the driver loaded) gives the joules of the interval exactly; the SM clock is sampled
-// every 10 ms by a thread beside it.
+// (millijoules since the driver loaded) moves in steps: on an H100, 20-step totals of one bench fell on
+// values 70 J apart at about 700 W, an update every 100 ms or so. Two plain reads would miss up to a step at
+// either end, so start() and stop() each wait for the counter's next update: the interval then runs from one
+// update to another and holds exactly the energy the counter counted in it, plus the idle time between the
+// last kernel and the update at the end (under one period; bench.cpp makes the interval long enough that
+// this stays small). The SM clock is sampled every 10 ms by a thread beside it.
 // NVML comes with the driver, not with the toolkit, so it is opened at run time (dlopen of
 // libnvidia-ml.so.1) and its few entry points are declared here: the same binary runs on a machine
 // without a driver or GPU, where no meter is made.
@@ -11,6 +15,7 @@
 #include <atomic>
 #include <memory>
 #include <thread>
+#include <utility>
 
 namespace coda {
 
@@ -30,14 +35,16 @@ class EnergyMeter {
   EnergyMeter(const EnergyMeter&) = delete;
   EnergyMeter& operator=(const EnergyMeter&) = delete;
 
-  void start();          // reads the counter, starts the clock sampler
-  EnergyReading stop();  // reads the counter, stops the sampler
+  void start();          // waits for a counter update, starts the clock sampler
+  EnergyReading stop();  // waits for a counter update, stops the sampler
 
   struct Nvml;  // the opened library and the device handle (energy.cpp)
 
  private:
   explicit EnergyMeter(std::unique_ptr<Nvml> nvml);
   unsigned long long energy_mj() const;
+  // The counter's next value and the time it appeared (the current ones after kMaxUpdateWait without one).
+  std::pair<unsigned long long, double> next_update() const;
   unsigned sm_clock_mhz() const;
 
   std::unique_ptr<Nvml> nvml_;

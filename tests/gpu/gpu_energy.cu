@@ -1,6 +1,8 @@
 // The energy meter (src/energy.hpp) on a real GPU: over about 300 ms of a busy kernel it reads a
-// positive energy whose mean power and SM clock lie in the ranges a GPU of this class can have, and an
-// idle interval costs less per second than the busy one.
+// positive energy whose mean power and SM clock lie in the ranges a GPU of this class can have, an idle
+// interval costs less per second than the busy one, and every interval runs from one counter update to
+// another: even an empty one spans an update and reads energy (two plain reads a moment apart read the
+// same counter value almost always).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -42,6 +44,14 @@ TEST(EnergyMeter, ReadsTheEnergyOfBusyAndIdleIntervals) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const coda::EnergyReading idle = meter->stop();
   EXPECT_LT(idle.mean_power_w, busy.mean_power_w);
+
+  for (int i = 0; i < 3; ++i) {
+    meter->start();
+    const coda::EnergyReading empty = meter->stop();
+    EXPECT_GT(empty.joules, 0.0) << "interval " << i;
+    EXPECT_GT(empty.seconds, 0.0) << "interval " << i;
+    EXPECT_LT(empty.seconds, 1.0) << "interval " << i;
+  }
 }
 
 }  // namespace
