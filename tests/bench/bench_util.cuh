@@ -49,13 +49,15 @@ inline std::vector<double> median_ms(int timed_runs, const std::vector<std::func
 
 // median_millijoules (bench_programs): energy per run of each contender from the GPU's energy counter
 // (src/energy.hpp). The counter sees the whole card, so each contender runs alone, in blocks of back-to-
-// back runs of about 100 ms, the contenders' blocks alternating (A B A B ...) so that all see the same
-// clocks; the median over the blocks.
+// back runs of about a second, the contenders' blocks alternating (A B A B ...) so that all see the same
+// clocks; the median over the blocks. The counter moves about every 100 ms and a block's interval runs
+// from one update to another, so a block holds up to one period of idle card beside its runs: at a
+// second of runs that is about 1% (blocks of 100 ms would read zero, one or two updates).
 // Median millijoules per run of each contender, runs[j](i) taking about ms[j] milliseconds (median_ms);
 // empty where the energy counter cannot be read.
 inline std::vector<double> median_millijoules(const std::vector<std::function<void(int)>>& runs,
-                                              const std::vector<double>& ms, int blocks = 5,
-                                              double block_ms = 100.0) {
+                                              const std::vector<double>& ms, int blocks = 3,
+                                              double block_ms = 1000.0) {
   const std::unique_ptr<EnergyMeter> meter = EnergyMeter::for_current_device();
   if (meter == nullptr) return {};
   const int n = static_cast<int>(runs.size());
