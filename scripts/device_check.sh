@@ -60,7 +60,7 @@ bench() {  # name config B T
     --precision fp8 --json "$logs/bench_$1_fp8.json" >"$logs/bench_$1_fp8.log" 2>&1 || status=1
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
-      --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
+      --energy_seconds 0 --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
   done
 }
 bench gpt2-124m configs/gpt2-124m.toml 32 1024

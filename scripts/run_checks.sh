@@ -88,7 +88,7 @@ report "HF GPT-2: GPU step-1 loss = CPU's" $([[ $close == 1 ]] && echo 0 || echo
 "$bin/coda" train --config configs/llama3.2-1b.toml --device cuda --steps 25 --log_every 1 --val_every 0 \
   "${data[@]}" --out "$work/llama" >"$logs/llama_train.log" 2>&1
 rc=$?
-"$bin/coda" bench --config configs/llama3.2-1b.toml --kernels coda --warmup 3 --steps 20 \
+"$bin/coda" bench --config configs/llama3.2-1b.toml --kernels coda --warmup 3 --steps 20 --energy_seconds 0 \
   --json "$logs/llama_bench.json" >"$logs/llama_bench.log" 2>&1 || status=1
 against_bench=$(python3 scripts/train_vs_bench.py "$work/llama/metrics.jsonl" "$logs/llama_bench.json" 2>&1 | tail -n 1)
 first_step_at=$(python3 - "$logs/llama_train.log" <<'PY' 2>/dev/null

@@ -64,14 +64,14 @@ double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats) {
 // the communication's whole cost for comparison: an all-reduce of the gradient's size with nothing to overlap.
 // Energy: on a GPU whose NVML energy counter can be read, the joules per step on this rank's GPU, their
 // mean power and SM clock, and tokens per joule, over the timed steps and as many more as make the window
-// at least kMinEnergySeconds long: the counter moves in steps of about 100 ms (energy.hpp), one of which
-// is 5% of thirty gpt2-124m steps, so a short window reads whichever whole number of updates it spans.
-// Every rank runs the largest count any rank needs (each step all-reduces).
-constexpr double kMinEnergySeconds = 10.0;
-
-std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm) {
+// at least energy_seconds long: the counter moves in steps of about 100 ms (energy.hpp), one of which is
+// 5% of thirty gpt2-124m steps, so a short window reads whichever whole number of updates it spans; 10 s
+// leaves about 1%. Every rank runs the largest count any rank needs (each step all-reduces).
+std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm,
+                               double energy_seconds) {
   if (steps < 1) throw std::invalid_argument("steps must be >= 1");
   if (warmup < 0) throw std::invalid_argument("warmup must be >= 0");
+  if (!(energy_seconds >= 0.0)) throw std::invalid_argument("energy_seconds must be >= 0");
   config.validate();
   const ModelConfig& model = config.model;
   const int world_size = comm != nullptr ? comm->world_size() : 1, rank = comm != nullptr ? comm->rank() : 0;
@@ -154,8 +154,8 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
     for (int step = warmup; step < warmup + steps; ++step) run_step(step, true);
     profile::set_recording(false);
     const double timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
-    const float wanted = meter != nullptr && timed_s < kMinEnergySeconds
-                             ? static_cast<float>(std::ceil((kMinEnergySeconds - timed_s) / (timed_s / steps)))
+    const float wanted = meter != nullptr && timed_s < energy_seconds
+                             ? static_cast<float>(std::ceil((energy_seconds - timed_s) / (timed_s / steps)))
                              : 0.0f;
     const int extra_steps = static_cast<int>(comm != nullptr ? comm->all_reduce_scalar(wanted, ReduceOp::Max) : wanted);
     for (int step = warmup + steps; step < warmup + steps + extra_steps; ++step) run_step(step, false);

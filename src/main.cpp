@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
     return command;
   };
   int bench_steps = 10, bench_warmup = 2;
+  double bench_energy_seconds = 10.0;
   std::string bench_json;
   const coda::AppFactory make_bench = [&](coda::RunConfig& config) {
     auto command = std::make_shared<CLI::App>(
@@ -143,6 +144,12 @@ int main(int argc, char** argv) {
     command->remove_option(command->get_option("--steps"));
     command->add_option("--steps", bench_steps, "timed steps")->capture_default_str()->group("bench");
     command->add_option("--warmup", bench_warmup, "untimed steps before them")->capture_default_str()->group("bench");
+    command->add_option("--energy_seconds", bench_energy_seconds,
+                        "read the energy over at least this many seconds, adding untimed steps after the timed ones "
+                        "(NVML's counter moves about every 100 ms; 0: the timed steps alone)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber)
+        ->group("bench");
     command->add_option("--json", bench_json, "also write the results to this JSON file")->group("bench");
     return command;
   };
@@ -215,7 +222,7 @@ int main(int argc, char** argv) {
     } else if (bench_command->parsed()) {
       const coda::RunConfig config = resolve(make_bench, config_file, args);
       start_ranks(config);
-      const std::vector<coda::BenchResult> results = coda::bench(config, bench_steps, bench_warmup, comm.get());
+      const std::vector<coda::BenchResult> results = coda::bench(config, bench_steps, bench_warmup, comm.get(), bench_energy_seconds);
       double all_reduce_ms = 0.0;
       if (dist.world_size > 1)
         all_reduce_ms = coda::time_gradient_all_reduce(*comm, coda::make_param_layout(config.model).total, 5);

@@ -431,6 +431,8 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
   ASSERT_EQ(with_fp8.size(), results.size() + 1) << "fp8 adds its mode after the bf16 ones";
   EXPECT_EQ(with_fp8.back().backend, "cpu-fp8");
   c.precision = "bf16";
+  EXPECT_THROW(coda::bench(c, 1, 0, nullptr, -1.0), std::invalid_argument) << "a negative energy window";
+  EXPECT_THROW(coda::bench(c, 1, 0, nullptr, std::nan("")), std::invalid_argument) << "a NaN energy window";
   c.zero1 = true;
   EXPECT_THROW(coda::bench(c, 1, 0), std::invalid_argument) << "ZeRO-1 without a communicator";
 }

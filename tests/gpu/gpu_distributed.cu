@@ -372,7 +372,7 @@ TEST(Communicator, BenchRunsOnEveryRank) {
   for (bool zero1 : {false, true}) {
     SCOPED_TRACE(zero1 ? "zero1" : "plain");
     config.zero1 = zero1;
-    const std::vector<BenchResult> results = bench(config, 2, 1, &comm);
+    const std::vector<BenchResult> results = bench(config, 2, 1, &comm, 0.0);
     ASSERT_EQ(results.size(), 1u);
     const BenchResult& r = results.front();
     EXPECT_EQ(r.world_size, comm.world_size());
