@@ -239,7 +239,7 @@ void CodaLayerNormRunner::block_backward(int layer, int B, int T) {
               a.o2);
   ln_linear_wgrad(p.mlp_up_w, p.mlp_up_b, d_up_, a.o2, F, N, groups);
 
-  gemm_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
+  bare_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C);
   wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N);
   AttentionWriteout writeout;
   writeout.stats = norm_partials(norm1_stats_[layer]);

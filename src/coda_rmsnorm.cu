@@ -164,7 +164,7 @@ void CodaRmsNormRunner::block_backward(int layer, int B, int T) {
                       p.norm2_w, true);
   wgrad(grad(p.mlp_up_w), d_up_, a.o2, 2 * F, C, N);
 
-  gemm_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C, stream_);
+  bare_dgrad(d_attn_, d_residual, weight(p.attn_proj_w), N, C, C);
   wgrad(grad(p.attn_proj_w), d_residual, a.attn, C, C, N);
   AttentionWriteout writeout;
   writeout.rope_theta = config_.rope_theta;

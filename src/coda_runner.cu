@@ -1,6 +1,8 @@
 // The pieces of the CODA mode that both families share; see coda_runner.hpp.
 #include "coda_runner.hpp"
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -34,6 +36,27 @@ CodaRunner::CodaRunner(DeviceState& state, bool deterministic)
     : StepRunner(state, deterministic), norm1_stats_(config_.n_layer), norm2_stats_(config_.n_layer) {
   const std::string reason = coda_unsupported_reason(config_);
   if (!reason.empty()) throw std::invalid_argument(reason);
+  if (const char* bare = std::getenv("CODA_BARE_GEMMS"); bare != nullptr && *bare != '\0') {
+    if (std::strcmp(bare, "cublaslt") != 0)
+      throw std::invalid_argument(std::string("CODA_BARE_GEMMS=") + bare +
+                                  ": the only choice is cublaslt (unset: the hand-written GEMM)");
+    bare_cublas_ = std::make_unique<CublasLt>();
+  }
+}
+
+void CodaRunner::wgrad(float* dW, const bf16* dY, const bf16* X, int M, int N, int K) const {
+  if (bare_cublas_ != nullptr)
+    bare_cublas_->gemm(dW, dY, Op::T, X, Op::N, M, N, K, true, stream_);
+  else
+    gemm_wgrad(dW, dY, X, M, N, K, true, stream_, GemmTile::Auto,
+               deterministic_ ? GemmKSplit::Never : GemmKSplit::Balanced);
+}
+
+void CodaRunner::bare_dgrad(bf16* dX, const bf16* dY, const bf16* W, int M, int N, int K) const {
+  if (bare_cublas_ != nullptr)
+    bare_cublas_->gemm(dX, dY, Op::N, W, Op::N, M, N, K, false, stream_);
+  else
+    gemm_dgrad(dX, dY, W, M, N, K, stream_);
 }
 
 void CodaRunner::plan_buffers(ArenaPlan& plan) {

@@ -13,6 +13,7 @@
 //   h_final_, o_final_   h and O of the final norm
 // and the norm statistics as row partials (NormStatsBuffers) instead of finished mean / rstd vectors.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "kernels/coda/norm_stats.cuh"
 #include "kernels/coda/passes.cuh"
 #include "kernels/epilogue/epilogue.cuh"
+#include "kernels/gemm/cublaslt.cuh"
 #include "kernels/gemm/gemm.cuh"
 #include "step_runner.hpp"
 
@@ -67,11 +69,12 @@ class CodaRunner : public StepRunner {
   // The statistics a layer's residual epilogues write: norm2 of the same layer, or norm1 of the next one
   // (or the final norm after the last layer).
   NormStatsBuffers& next_norm_stats(int layer);
-  // dW[M, N] += dY[K, M]^T X[K, N] (fp32), split over K unless the runner is deterministic.
-  void wgrad(float* dW, const bf16* dY, const bf16* X, int M, int N, int K) const {
-    gemm_wgrad(dW, dY, X, M, N, K, true, stream_, GemmTile::Auto,
-               deterministic_ ? GemmKSplit::Never : GemmKSplit::Balanced);
-  }
+  // The GEMMs without a program: dW[M, N] += dY[K, M]^T X[K, N] (fp32; split over K unless the runner is
+  // deterministic) and dX[M, N] = dY[M, K] W[K, N]. They run on the hand-written GEMM; with
+  // CODA_BARE_GEMMS=cublaslt in the environment on cuBLASLt instead, which measures in the step what the
+  // hand-written GEMM costs there against the library (bench_gemm compares them alone).
+  void wgrad(float* dW, const bf16* dY, const bf16* X, int M, int N, int K) const;
+  void bare_dgrad(bf16* dX, const bf16* dY, const bf16* W, int M, int N, int K) const;
   // Row partials of a GEMM of this shape run with the Auto tile (gemm_row_partials).
   static int row_partials(GemmLayout layout, int M, int N, int K) { return gemm_row_partials(layout, M, N, K); }
   // Row partials of a producer with N columns at most: one per 128 columns (the narrowest N tile).
@@ -90,6 +93,7 @@ class CodaRunner : public StepRunner {
   bf16* d_qkv_ = nullptr;       // [N, qkv_dim], scaled (dz' = r dz)
   bf16* d_up_ = nullptr;        // [N, mlp_up_rows], scaled
   void* attention_workspace_ = nullptr;
+  std::unique_ptr<CublasLt> bare_cublas_;  // CODA_BARE_GEMMS=cublaslt
 };
 
 }  // namespace coda

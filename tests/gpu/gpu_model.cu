@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -260,6 +261,30 @@ TEST(GpuBackendChoice, AutoRunsCodaForEveryArchitectureAndCodaRefusesWhatItLacks
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("bias"), std::string::npos) << e.what();
   }
+}
+
+// CODA_BARE_GEMMS=cublaslt (coda_runner.hpp) puts the coda step's GEMMs without a program on cuBLASLt: the
+// step still matches the CPU reference in loss and every gradient; any other value is refused by name.
+TEST(GpuBareGemms, CublasLtInTheCodaStepKeepsEveryGradient) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_EQ(setenv("CODA_BARE_GEMMS", "cublaslt", 1), 0);
+  for (coda::Arch arch : {coda::Arch::GPT2, coda::Arch::Llama}) {
+    SCOPED_TRACE(coda::arch_name(arch));
+    const coda::ModelConfig c = tiny_model(arch);
+    const coda::ParamLayout layout = coda::make_param_layout(c);
+    const StepComparison r = compare_one_step(c, "coda");
+    EXPECT_NEAR(r.loss_gpu, r.loss_cpu, 2e-3 * r.loss_cpu);
+    for (size_t t = 0; t < layout.tensors.size(); ++t) EXPECT_LT(r.grad_errors[t], 3e-2) << layout.tensors[t].name;
+    EXPECT_LT(r.accumulation_error, 1e-5);
+  }
+  ASSERT_EQ(setenv("CODA_BARE_GEMMS", "cutlass", 1), 0);
+  try {
+    coda::make_cuda_backend(tiny_model(coda::Arch::GPT2), "coda", 2, 32);
+    ADD_FAILURE() << "CODA_BARE_GEMMS=cutlass was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("CODA_BARE_GEMMS"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(unsetenv("CODA_BARE_GEMMS"), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(ArchMode, GpuModel,
