@@ -64,9 +64,10 @@ double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats) {
 // the communication's whole cost for comparison: an all-reduce of the gradient's size with nothing to overlap.
 // Energy: on a GPU whose NVML energy counter can be read, the joules per step on this rank's GPU, their
 // mean power and SM clock, and tokens per joule, over the timed steps and as many more as make the window
-// at least energy_seconds long: the counter moves in steps of about 100 ms (energy.hpp), one of which is
-// 5% of thirty gpt2-124m steps, so a short window reads whichever whole number of updates it spans; 10 s
-// leaves about 1%. Every rank runs the largest count any rank needs (each step all-reduces).
+// at least energy_seconds long. The counter moves in steps of about 100 ms (energy.hpp), one of which is
+// 5% of thirty gpt2-124m steps; the meter reads from update to update, which leaves the idle tail after
+// the last step (under 100 ms at the idle card's power: under 0.5% of a 5 s window at the cap). Every
+// rank runs the largest count any rank needs (each step all-reduces).
 std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm,
                                double energy_seconds) {
   if (steps < 1) throw std::invalid_argument("steps must be >= 1");

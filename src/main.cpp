@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
     return command;
   };
   int bench_steps = 10, bench_warmup = 2;
-  double bench_energy_seconds = 10.0;
+  double bench_energy_seconds = 5.0;
   std::string bench_json;
   const coda::AppFactory make_bench = [&](coda::RunConfig& config) {
     auto command = std::make_shared<CLI::App>(
