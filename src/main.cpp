@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
                         "read the energy over at least this many seconds, adding untimed steps after the timed ones "
                         "(NVML's counter moves about every 100 ms; 0: the timed steps alone)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber)
+        ->check(CLI::Range(0.0, 3600.0))
         ->group("bench");
     command->add_option("--json", bench_json, "also write the results to this JSON file")->group("bench");
     return command;
