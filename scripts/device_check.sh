@@ -62,7 +62,7 @@ bench() {  # name config B T
   CODA_BARE_GEMMS=cublaslt "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 \
     --kernels coda --json "$logs/bench_$1_bare_cublaslt.json" >"$logs/bench_$1_bare_cublaslt.log" 2>&1 || status=1
   for mode in coda unfused; do
-    CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 1 --steps 2 \
+    CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 30 --steps 2 \
       --energy_seconds 0 --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
   done
 }
