@@ -3,7 +3,10 @@
 # mode (so precision is the only difference), then the final validation losses side by side and both
 # curves in one plot.
 #   scripts/fp8_validation.sh TRAIN_GLOB VAL_GLOB [STEPS]
-#     TRAIN_GLOB, VAL_GLOB   token shards (coda prepare text, or data/prepare_gpt2.py's fineweb shards)
+#     TRAIN_GLOB, VAL_GLOB   token shards (coda prepare text, or data/prepare_gpt2.py's fineweb shards); on a
+#                            machine without a corpus or network, the installed Python sources are real text
+#                            that any such machine has: coda prepare text $(find "$(python3 -c 'import torch,
+#                            os; print(os.path.dirname(torch.__file__))')" -name '*.py' | sort) --out DIR
 #     STEPS                  optimizer steps per run (default 1000); warmup and validation every STEPS/10
 #   MODELS="gpt2-124m llama3.2-1b"   configs/NAME.toml to train (their batch, sequence and learning rate)
 #   CODA=build/coda OUT=runs/fp8-validation
@@ -13,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ $# -lt 2 ]]; then
-  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 train=$1 val=$2 steps=${3:-1000}
