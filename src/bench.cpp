@@ -165,6 +165,8 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
       const EnergyReading energy = meter->stop();
       const int energy_steps = steps + extra_steps;
       result.joules_per_step = energy.joules / energy_steps;
+      result.energy_steps = energy_steps;
+      result.energy_window_s = energy.seconds;
       result.mean_power_w = energy.mean_power_w;
       result.mean_sm_clock_mhz = energy.mean_sm_clock_mhz;
       if (energy.joules > 0.0)

@@ -91,13 +91,18 @@ void print_bench(const std::vector<coda::BenchResult>& results, const coda::RunC
                        {"memory_gib", measured(r.memory_gib)}, {"joules_per_step", measured(r.joules_per_step)},
                        {"mean_power_w", measured(r.mean_power_w)}, {"mean_sm_clock_mhz", measured(r.mean_sm_clock_mhz)},
                        {"tokens_per_joule", measured(r.tokens_per_joule)}, {"speedup_vs_first", speedup},
-                       {"energy_vs_first", measured(energy_ratio)}, {"world_size", world_size},
+                       {"energy_vs_first", measured(energy_ratio)}, {"energy_steps", r.energy_steps},
+                       {"energy_window_s", measured(r.energy_window_s)}, {"world_size", world_size},
                        {"zero1", config.zero1}, {"gradient_all_reduce_ms", all_reduce_ms},
                        {"batch_size", config.batch_size}, {"seq_len", config.seq_len}, {"grad_accum", config.grad_accum},
                        {"global_batch", config.global_batch},
                        {"arch", coda::arch_name(config.model.arch)}, {"n_layer", config.model.n_layer},
                        {"d_model", config.model.d_model}});
   }
+  for (const auto& r : results)
+    if (r.energy_steps > 0)
+      std::printf("%s: energy over %d steps in %.1f s (the timed ones and untimed ones up to --energy_seconds)\n",
+                  r.backend.c_str(), r.energy_steps, r.energy_window_s);
   if (world_size > 1)
     std::printf("gradient all-reduce alone (%.0f MB fp32 over %d ranks, nothing to overlap): %.2f ms\n",
                 4.0 * static_cast<double>(coda::make_param_layout(config.model).total) / 1e6, world_size, all_reduce_ms);

@@ -122,9 +122,12 @@ struct BenchResult {
   // Median device time per phase of one optimizer step (Backend::last_phase_times; zeros for the CPU).
   double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
   double memory_gib = 0.0;    // device memory in use on rank 0 after the steps (0 for the CPU)
-  // The timed steps' energy on this rank's GPU (energy.hpp; zeros where NVML cannot read it): joules per
-  // step, mean power, mean SM clock, and tokens per joule of this GPU.
+  // The energy on this rank's GPU (energy.hpp; zeros where NVML cannot read it): joules per step, mean
+  // power, mean SM clock, and tokens per joule of this GPU, read over energy_steps steps (the timed ones
+  // and the untimed ones after them) in a window of energy_window_s seconds.
   double joules_per_step = 0.0, mean_power_w = 0.0, mean_sm_clock_mhz = 0.0, tokens_per_joule = 0.0;
+  int energy_steps = 0;
+  double energy_window_s = 0.0;
 };
 // Times `steps` training steps after `warmup` untimed ones on random tokens, for every available backend
 // in bf16 (the --kernels one only when config.kernels is not auto; with config.deterministic each GPU

@@ -424,6 +424,9 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
     EXPECT_NEAR(r.tokens_per_s * r.median_ms / 1000.0, 2.0 * 8 * 16, 1e-6 * r.tokens_per_s);
     EXPECT_EQ(r.world_size, 1);
     EXPECT_DOUBLE_EQ(r.tokens_per_s_per_gpu, r.tokens_per_s);
+    if (r.backend == "cpu") {
+      EXPECT_EQ(r.energy_steps, 0) << "no energy meter on the CPU, no energy steps";
+    }
   }
   EXPECT_FALSE(fs::exists(c.out)) << "bench writes no run directory";
   c.precision = "fp8";

@@ -383,6 +383,10 @@ TEST(Communicator, BenchRunsOnEveryRank) {
     if (r.joules_per_step > 0.0) {  // a GPU whose energy counter NVML reads
       EXPECT_GT(r.mean_power_w, 20.0);
       EXPECT_LT(r.mean_power_w, 1500.0);
+      if (!zero1) {
+        EXPECT_GT(r.energy_steps, 2) << "two timed steps of a tiny model take far less than 0.3 s";
+        EXPECT_GE(r.energy_window_s, 0.3);
+      }
     }
   }
   EXPECT_GT(time_gradient_all_reduce(comm, size_t{1} << 20, 2), 0.0);
