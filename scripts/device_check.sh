@@ -18,6 +18,7 @@ build=${1:-build}
 bin=${CODA_PREBUILT:-$build}
 logs=$build/check-logs
 mkdir -p "$logs"
+archive_logs() { if [[ -n "${OUT:-}" ]]; then tar czf "$OUT/check-logs.tar.gz" -C "$build" check-logs; fi; }
 status=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 targets=(coda gpu_tests bench_programs bench_gemm)
@@ -31,7 +32,7 @@ if [[ -z "${CODA_PREBUILT:-}" ]]; then
          cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >"$logs/build.log"; }; then
     grep -E "error|FAILED" "$logs/build.log" | head -n 30
     echo "build failed"
-    [[ -n "${OUT:-}" ]] && tar czf "$OUT/check-logs.tar.gz" -C "$build" check-logs
+    archive_logs
     exit 1
   fi
   echo "built in $(( $(date +%s) - start )) s"
@@ -55,12 +56,15 @@ fi
 
 bench() {  # name config B T
   echo "== coda bench $1 (B=$3, T=$4)"
-  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --deterministic \
-    --json "$logs/bench_$1.json" >"$logs/bench_$1.log" 2>&1 || status=1
-  "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 --kernels unfused \
-    --precision fp8 --json "$logs/bench_$1_fp8.json" >"$logs/bench_$1_fp8.log" 2>&1 || status=1
-  CODA_BARE_GEMMS=cublaslt "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 3 --steps 30 \
-    --kernels coda --json "$logs/bench_$1_bare_cublaslt.json" >"$logs/bench_$1_bare_cublaslt.log" 2>&1 || status=1
+  timed() {  # log name, config, B, T, then more flags: 30 timed steps, the JSON beside the log
+    local out=$1 config=$2 batch=$3 seq=$4
+    shift 4
+    "$bin/coda" bench --config "$config" --batch_size "$batch" --seq_len "$seq" --warmup 3 --steps 30 "$@" \
+      --json "$logs/$out.json" >"$logs/$out.log" 2>&1 || status=1
+  }
+  timed "bench_$1" "$2" "$3" "$4" --deterministic
+  timed "bench_$1_fp8" "$2" "$3" "$4" --kernels unfused --precision fp8
+  CODA_BARE_GEMMS=cublaslt timed "bench_$1_bare_cublaslt" "$2" "$3" "$4" --kernels coda
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 30 --steps 2 \
       --energy_seconds 0 --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
@@ -160,5 +164,5 @@ for r in rows(bf16, lambda r: True) + rows(fp8, lambda r: "fp8" in r["backend"])
 PY
 done
 echo "(anchor: PyTorch + torch.compile ms/step on one H200, docs/PERFORMANCE.md)"
-[[ -n "${OUT:-}" ]] && tar czf "$OUT/check-logs.tar.gz" -C "$build" check-logs
+archive_logs
 exit $status

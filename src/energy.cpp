@@ -114,9 +114,9 @@ void EnergyMeter::start() {
 }
 
 EnergyReading EnergyMeter::stop() {
-  const auto [end_mj, end_s] = next_update();
-  sampling_ = false;
+  sampling_ = false;  // the clock of the work, not of the idle wait for the counter's update
   if (sampler_.joinable()) sampler_.join();
+  const auto [end_mj, end_s] = next_update();
   EnergyReading r;
   r.joules = static_cast<double>(end_mj - start_mj_) / 1000.0;
   r.seconds = end_s - start_s_;

@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
     return command;
   };
   int bench_steps = 10, bench_warmup = 2;
-  double bench_energy_seconds = 5.0;
+  double bench_energy_seconds = coda::kBenchEnergySeconds;
   std::string bench_json;
   const coda::AppFactory make_bench = [&](coda::RunConfig& config) {
     auto command = std::make_shared<CLI::App>(
@@ -227,7 +227,8 @@ int main(int argc, char** argv) {
     } else if (bench_command->parsed()) {
       const coda::RunConfig config = resolve(make_bench, config_file, args);
       start_ranks(config);
-      const std::vector<coda::BenchResult> results = coda::bench(config, bench_steps, bench_warmup, comm.get(), bench_energy_seconds);
+      const std::vector<coda::BenchResult> results =
+          coda::bench(config, bench_steps, bench_warmup, comm.get(), bench_energy_seconds);
       double all_reduce_ms = 0.0;
       if (dist.world_size > 1)
         all_reduce_ms = coda::time_gradient_all_reduce(*comm, coda::make_param_layout(config.model).total, 5);

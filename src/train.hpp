@@ -136,8 +136,9 @@ struct BenchResult {
 // or zero1) every rank runs the same steps on its own tokens and the gradients are averaged over the
 // ranks as in train(); config.zero1 shards the optimizer state over comm. The energy is read over the timed
 // steps and as many untimed ones as make the window at least energy_seconds long (bench.cpp says why).
+constexpr double kBenchEnergySeconds = 5.0;
 std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, Communicator* comm = nullptr,
-                               double energy_seconds = 5.0);
+                               double energy_seconds = kBenchEnergySeconds);
 // Median wall time of an all-reduce of `count` fp32 values over comm, alone (nothing to overlap with):
 // the cost the backward hides when it reduces a gradient of that size bucket by bucket.
 double time_gradient_all_reduce(Communicator& comm, size_t count, int repeats);
