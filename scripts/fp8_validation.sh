@@ -9,20 +9,22 @@
 #                            os; print(os.path.dirname(torch.__file__))')" -name '*.py' | sort) --out DIR
 #     STEPS                  optimizer steps per run (default 1000); warmup and validation every STEPS/10
 #   MODELS="gpt2-124m llama3.2-1b"   configs/NAME.toml to train (their batch, sequence and learning rate)
-#   CODA=build/coda OUT=runs/fp8-validation
+#   CODA=build/coda RUNS=runs/fp8-validation    the binary, and where the runs and the plot go
+#   TRAIN_FLAGS="--batch_size 4"     more flags for every run (both precisions alike)
 # Needs a GPU for the big configs (about 2 min for gpt2-124m and 8 min for llama3.2-1b per 1000 steps on
 # one H200). The summary passes when fp8's final validation loss is within 1% of bf16's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ $# -lt 2 ]]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 train=$1 val=$2 steps=${3:-1000}
 coda=${CODA:-build/coda}
-out=${OUT:-runs/fp8-validation}
+out=${RUNS:-runs/fp8-validation}
 models=${MODELS:-gpt2-124m llama3.2-1b}
+read -r -a extra <<<"${TRAIN_FLAGS:-}"
 every=$(( steps / 10 > 0 ? steps / 10 : 1 ))
 
 for model in $models; do
@@ -35,7 +37,7 @@ for model in $models; do
     echo "== $model, $precision, $steps steps -> $run"
     "$coda" train --config "configs/$model.toml" --precision "$precision" --kernels unfused \
       --train_data "$train" --val_data "$val" --steps "$steps" --warmup_steps "$every" --val_every "$every" \
-      --checkpoint_every 0 --keep_checkpoints 1 --seed 1337 --out "$run"
+      --checkpoint_every 0 --keep_checkpoints 1 --seed 1337 --out "$run" "${extra[@]}"
   done
 done
 
