@@ -4,8 +4,11 @@
 //   (b) bare   the identity program of the same shape, layout and tile (the mainloop's own cost),
 //   (c) chain  what the unfused mode (src/cuda_backend.cu) runs for the same operations: the cuBLASLt GEMM
 //              and the unfused kernels before and after it, timed as a whole and part by part.
-// Overhead = CODA / bare - 1; speedup = chain / CODA; energy per launch of CODA and of the chain: at the power
-// cap the step follows joules, so a program must cost fewer joules than its chain, not only less time.
+// Overhead = CODA / bare - 1; speedup = chain / CODA; energy per launch of CODA, bare, the chain and the chain's
+// cuBLASLt GEMM: at the power cap the step follows joules, so a program must cost fewer joules than its chain,
+// not only less time. Epilogue mJ = CODA - bare is what the program's epilogue spends; removed mJ = chain -
+// cuBLASLt is what the unfused kernels it replaces spend. Fusion saves joules where epilogue < removed +
+// (cuBLASLt - bare).
 // Method: bench_util.cuh; correctness is gpu_tests' business. Shapes and inputs: above kAct below.
 // Usage: bench_programs [--runs N] [--model gpt2|llama]   (default: 25 timed runs, both models)
 
@@ -194,10 +197,17 @@ void report(const std::string& name, const Gemm& g, const Program& program, cons
     std::printf("| %s | failed: %s |\n", name.c_str(), e.what());
     return;
   }
-  // Energy of CODA and of the whole chain (the parts' times say where the chain's time goes).
-  const std::vector<double> mj = bench::median_millijoules({runs[0], runs[2]}, {ms[0], ms[2]});
-  char energy[96] = "- | - | -";
-  if (!mj.empty()) std::snprintf(energy, sizeof energy, "%.2f | %.2f | %.2fx", mj[0], mj[1], mj[1] / mj[0]);
+  // Energy of CODA, bare, the whole chain and the chain's cuBLASLt GEMM (the parts' times say where the
+  // chain's time goes). The program's epilogue costs CODA - bare; the kernels it removes cost chain - cuBLASLt.
+  const size_t gemm_part = static_cast<size_t>(
+      std::find_if(chain.begin(), chain.end(), [](const Part& p) { return p.name == "cublas"; }) - chain.begin());
+  if (gemm_part == chain.size()) throw std::logic_error(name + ": the chain has no cublas part");
+  const std::vector<double> mj = bench::median_millijoules({runs[0], runs[1], runs[2], runs[3 + gemm_part]},
+                                                           {ms[0], ms[1], ms[2], ms[3 + gemm_part]});
+  char energy[160] = "- | - | - | - | - | - | -";
+  if (!mj.empty())
+    std::snprintf(energy, sizeof energy, "%.2f | %.2f | %.2f | %.2f | %.2fx | %.2f | %.2f", mj[0], mj[1], mj[2],
+                  mj[3], mj[2] / mj[0], mj[0] - mj[1], mj[2] - mj[3]);
   std::string parts;
   for (size_t j = 0; j < chain.size(); ++j) {
     char buf[96];
@@ -543,8 +553,8 @@ int main(int argc, char** argv) {
     std::printf("device: %s, %d SMs; median of %d timed runs, microseconds\n", prop.name, prop.multiProcessorCount,
                 g_timed_runs);
     std::printf("| program | GEMM M x N x K | tile | CODA | bare | overhead | unfused chain | chain / CODA | chain parts "
-                "| CODA mJ | chain mJ | chain J / CODA J |\n");
-    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+                "| CODA mJ | bare mJ | chain mJ | cuBLASLt mJ | chain J / CODA J | epilogue mJ | removed mJ |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     Unfused u(2 * llama::F);
     if (model != "llama") gpt2::run(u);
     if (model != "gpt2") llama::run(u);
