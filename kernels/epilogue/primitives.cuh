@@ -218,36 +218,68 @@ struct StoreAuxOf : StoreAux<T> {
   }
 };
 
-// FP8 store of the current values for a later FP8 GEMM (docs/FP8.md): dst[row, output column] =
-// fp8(v * scale) in kFormat with the satfinite conversion (round to nearest even, saturating; src/fp8.hpp is
-// its specification, and CUDA's conversion runs on the host and the GPU alike), the scale read from the
-// device once per row block (the tensor's delayed-scaling scale); the values pass on unchanged. A pair is one
-// two-byte store (rows and the matrix 2-byte aligned: ld even). Its amax partials come from a
-// RowReduce<AbsMax> beside it.
+// The satfinite FP8 conversion with a tensor's delayed-scaling scale, read from the device once per row
+// block: fp8(v * scale) in kFormat (round to nearest even, saturating; src/fp8.hpp is its specification, and
+// CUDA's conversion runs on the host and the GPU alike). The FP8 stores below are built on it.
 template <Fp8Format kFormat>
-struct StoreFp8 : Primitive {
-  uint8_t* dst;
-  int ld;
+struct Fp8Quantizer : Primitive {
+  static constexpr __nv_fp8_interpretation_t kInterpretation = kFormat == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
   const float* scale_ptr;
   float scale = 1.0f;
-  CODA_HD StoreFp8(uint8_t* d, int l, const float* s) : dst(d), ld(l), scale_ptr(s) {
+  CODA_HD explicit Fp8Quantizer(const float* s) : scale_ptr(s) {}
+  CODA_HD void begin_rows(const RowCtx&) { scale = *scale_ptr; }
+  CODA_HD uint8_t quantize(float v) const { return __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, kInterpretation); }
+};
+
+// FP8 store of the current values for a later FP8 GEMM (docs/FP8.md): dst[row, output column] =
+// fp8(v * scale) (Fp8Quantizer); the values pass on unchanged. A pair is one two-byte store (rows and the
+// matrix 2-byte aligned: ld even). Its amax partials come from a RowReduce<AbsMax> beside it.
+template <Fp8Format kFormat>
+struct StoreFp8 : Fp8Quantizer<kFormat> {
+  uint8_t* dst;
+  int ld;
+  CODA_HD StoreFp8(uint8_t* d, int l, const float* s) : Fp8Quantizer<kFormat>(s), dst(d), ld(l) {
 #if !defined(__CUDA_ARCH__)
     if (l % 2 != 0 || reinterpret_cast<uintptr_t>(d) % 2 != 0)
       throw std::invalid_argument("StoreFp8: rows must be 2-byte aligned (ld " + std::to_string(l) + " must be even)");
 #endif
   }
-  CODA_HD void begin_rows(const RowCtx&) { scale = *scale_ptr; }
   CODA_HD void visit(Frag& f, const RowCtx& ctx) {
     if (!(in_columns(f, ctx) && in_rows(f, ctx))) return;
-    constexpr __nv_fp8_interpretation_t kInterpretation = kFormat == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
     uint8_t* p = dst + static_cast<size_t>(f.row) * ld + out_col(f);
     if (f.width == 2) {
+      const float s = this->scale;
       const __nv_fp8x2_storage_t pair =
-          __nv_cvt_float2_to_fp8x2(make_float2(f.v[0] * scale, f.v[1] * scale), __NV_SATFINITE, kInterpretation);
+          __nv_cvt_float2_to_fp8x2(make_float2(f.v[0] * s, f.v[1] * s), __NV_SATFINITE, this->kInterpretation);
       memcpy(p, &pair, sizeof(pair));
       return;
     }
-    for_values(f, [&](int i) { p[i] = __nv_cvt_float_to_fp8(f.v[i] * scale, __NV_SATFINITE, kInterpretation); });
+    for_values(f, [&](int i) { p[i] = this->quantize(f.v[i]); });
+  }
+};
+
+// Transposed FP8 store for the operand that a later FP8 GEMM reads along this GEMM's rows (the weight
+// gradient's, K = the tokens: Hopper's FP8 wgmma takes both operands K-major): dst[output column, row] =
+// fp8(v * scale), as StoreFp8 otherwise (the same conversion and scale, amax partials from a RowReduce<AbsMax>,
+// the values pass on). The copy's rows are K-major operand rows, so they must be 16-byte aligned (ld a
+// multiple of 16) for the tensor map that reads them. One byte store per value: the eight lanes that hold a
+// column's rows in a warp write eight adjacent bytes, so a store instruction writes four 8-byte pieces; a tile
+// transposed through shared memory would store whole rows instead.
+template <Fp8Format kFormat>
+struct StoreFp8Transposed : Fp8Quantizer<kFormat> {
+  uint8_t* dst;
+  int ld;
+  CODA_HD StoreFp8Transposed(uint8_t* d, int l, const float* s) : Fp8Quantizer<kFormat>(s), dst(d), ld(l) {
+#if !defined(__CUDA_ARCH__)
+    if (l % 16 != 0 || reinterpret_cast<uintptr_t>(d) % 16 != 0)
+      throw std::invalid_argument("StoreFp8Transposed: rows of the transposed copy must be 16-byte aligned (ld " +
+                                  std::to_string(l) + " must be a multiple of 16, the matrix 16-byte aligned)");
+#endif
+  }
+  CODA_HD void visit(Frag& f, const RowCtx& ctx) {
+    if (!(in_columns(f, ctx) && in_rows(f, ctx))) return;
+    uint8_t* p = dst + static_cast<size_t>(out_col(f)) * ld + f.row;
+    for_values(f, [&](int i) { p[static_cast<size_t>(i) * ld] = this->quantize(f.v[i]); });
   }
 };
 

@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "kernels/epilogue/epilogue.cuh"
@@ -131,6 +134,38 @@ TEST(Epilogue, Fp8StoreEqualsTheHostCodecAndAmaxPartialsTakeTheLargestMagnitude)
   }
   EXPECT_EQ(coda::fp8_decode(coda::fp8_encode(3.0f * scale, coda::Fp8Format::E4M3), coda::Fp8Format::E4M3), 448.0f)
       << "the test's scale saturates e4m3";
+}
+
+// The transposed FP8 store: byte (column, row) of the copy is the host codec's fp8(v * scale), after a 2 -> 1
+// map too (output columns, not accumulator columns); the copy's padding rows (ld > M) stay as they were; a
+// row length that is not a multiple of 16 is refused.
+TEST(Epilogue, TransposedFp8StoreWritesEachOutputColumnAsARow) {
+  const auto acc = random_vector(kM * kN, -3.0f, 3.0f, 17);
+  const float scale = 30.0f;
+  constexpr int kLd = 32;  // >= kM, a multiple of 16
+  alignas(16) static uint8_t plain[kN * kLd], paired[kN / 2 * kLd];
+  std::fill(std::begin(plain), std::end(plain), 0xAA);
+  std::fill(std::begin(paired), std::end(paired), 0xAA);
+  std::vector<float> out(kM * kN), out_paired(kM * kN / 2);
+  evaluate_on_host(make_program(StoreFp8Transposed<coda::Fp8Format::E5M2>(plain, kLd, &scale)), acc.data(), kM, kN,
+                   kTile, out.data());
+  evaluate_on_host(make_program(Pairwise<SwiGlu>(), StoreFp8Transposed<coda::Fp8Format::E4M3>(paired, kLd, &scale)),
+                   acc.data(), kM, kN, kTile, out_paired.data());
+  for (int j = 0; j < kN; ++j)
+    for (int i = 0; i < kLd; ++i) {
+      const uint8_t want = i < kM ? coda::fp8_encode(acc[i * kN + j] * scale, coda::Fp8Format::E5M2) : 0xAA;
+      ASSERT_EQ(plain[j * kLd + i], want) << "column " << j << ", row " << i;
+      if (i < kM) {
+        ASSERT_EQ(out[i * kN + j], acc[i * kN + j]) << "the store leaves the values";
+      }
+    }
+  for (int j = 0; j < kN / 2; ++j)
+    for (int i = 0; i < kLd; ++i) {
+      const uint8_t want = i < kM ? coda::fp8_encode(out_paired[i * kN / 2 + j] * scale, coda::Fp8Format::E4M3) : 0xAA;
+      ASSERT_EQ(paired[j * kLd + i], want) << "output column " << j << ", row " << i;
+    }
+  EXPECT_THROW(StoreFp8Transposed<coda::Fp8Format::E4M3>(plain, 24, &scale), std::invalid_argument);
+  EXPECT_THROW(StoreFp8Transposed<coda::Fp8Format::E4M3>(plain + 8, kLd, &scale), std::invalid_argument);
 }
 
 TEST(Epilogue, OnlineLogSumExpPartialsMergeToTheFullRow) {

@@ -50,4 +50,30 @@ TEST(GpuEpilogue, Fp8StoreAndAmaxPartials) {
     }
 }
 
+// The transposed FP8 store (e5m2, the format of the output gradients whose transposed copies the weight
+// gradients read) inside the GEMM: the copy's row j holds column j of the output, rows M..ld of it padding.
+TEST(GpuEpilogue, TransposedFp8Store) {
+  SKIP_WITHOUT_GPU();
+  const Problem<GemmLayout::Forward> p(1000, 1288, 328);
+  const int ld = 1008;  // M rounded up to 16: the copy's rows are K-major operand rows of a later FP8 GEMM
+  const size_t elems = size_t(p.N) * ld;
+  Mirrored<float> scale(1, 40.0f, 40.0f, 4);
+  for (GemmTile tile : gemm_tiles_compiled(GemmLayout::Forward, GemmEpilogue::Program))
+    for (Output mode : kBf16Outputs) {
+      SCOPED_TRACE(describe(p, tile, mode));
+      std::vector<uint8_t> host_q(elems, 0);
+      coda::test::DeviceBuffer<uint8_t> device_q(elems);
+      CUDA_CHECK(cudaMemset(device_q.get(), 0, elems));
+      auto make = [&](bool dev) {
+        return make_program(
+            StoreFp8Transposed<Fp8Format::E5M2>(dev ? device_q.get() : host_q.data(), ld, scale.at(dev)));
+      };
+      run_both_bf16(p, tile, mode, make);
+      std::vector<uint8_t> got(elems);
+      CUDA_CHECK(cudaMemcpy(got.data(), device_q.get(), elems, cudaMemcpyDeviceToHost));
+      EXPECT_LT(coda::test::rel_error(decoded(got, Fp8Format::E5M2), decoded(host_q, Fp8Format::E5M2)), 1e-2)
+          << "transposed FP8 copy";
+    }
+}
+
 }  // namespace
