@@ -9,6 +9,8 @@
 #   scripts/device_check.sh [BUILD_DIR]     build in BUILD_DIR (default: build/) and run
 #   CODA_PREBUILT=DIR scripts/device_check.sh   skip the build, run the binaries in DIR
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
+#   CODA_CHECK_PROGRAMS=1                   also run bench_programs (each program against its chain, in time and
+#                                           in joules: the epilogue's against the removed kernels'; ~4 min)
 # Logs and the bench JSON go to BUILD_DIR/check-logs, and into $OUT/check-logs.tar.gz as well when OUT
 # is set. The script keeps going after a failed step and exits non-zero if any step failed.
 set -uo pipefail
@@ -52,6 +54,12 @@ grep -E "worst" "$logs/bench_gemm_fp8.log"
 if [[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]]; then
   "$bin/bench_unfused_kernels" >"$logs/bench_kernels.log" 2>&1 || status=1
   "$bin/bench_passes" >"$logs/bench_passes.log" 2>&1 || status=1
+fi
+
+if [[ -n "${CODA_CHECK_PROGRAMS:-}" ]]; then
+  echo "== CODA programs against their unfused chains (bench_programs --runs 10)"
+  "$bin/bench_programs" --runs 10 >"$logs/bench_programs.log" 2>&1 || status=1
+  grep -E '^\| (program|gpt2|llama)' "$logs/bench_programs.log"
 fi
 
 bench() {  # name config B T
