@@ -66,6 +66,26 @@ const char* fp8_linear_name(int linear) {
   return names[linear];
 }
 
+unsigned parse_fp8_linears(const std::string& names) {
+  const auto refuse = [&names](const std::string& why) {
+    return std::invalid_argument("fp8_linears = \"" + names + "\": " + why +
+                                 "; give a comma-separated list of qkv, attn_proj, mlp_up, mlp_down");
+  };
+  unsigned linears = 0;
+  size_t begin = 0;
+  while (begin <= names.size()) {
+    const size_t end = std::min(names.find(',', begin), names.size());
+    const std::string name = names.substr(begin, end - begin);
+    int linear = 0;
+    while (linear < kFp8Linears && name != fp8_linear_name(linear)) ++linear;
+    if (linear == kFp8Linears) throw refuse(name.empty() ? "an empty name" : "\"" + name + "\" is not a block linear");
+    if ((linears >> linear) & 1u) throw refuse("\"" + name + "\" is listed twice");
+    linears |= 1u << linear;
+    begin = end + 1;
+  }
+  return linears;
+}
+
 std::string fp8_tensor_name(int index, int n_layer) {
   static const char* const roles[3] = {"input", "weight", "output gradient"};
   const int per_role = kFp8Linears * n_layer;

@@ -29,10 +29,14 @@ float fp8_decode(uint8_t code, Fp8Format format);
 // fp8_decode(fp8_encode(x)) without the code, by rounding x's float bits: the emulation's inner loop.
 float fp8_round(float x, Fp8Format format);
 
-// precision = "fp8": delayed scaling over `history` steps with `margin` powers of two of headroom.
+// precision = "fp8": delayed scaling over `history` steps with `margin` powers of two of headroom, on the
+// block linears whose bits are set in `linears` (bit i: linear i in fp8_linear_name's numbering; the others
+// stay bf16, their scales unused).
 struct Fp8Recipe {
   int history = 16;
   int margin = 0;
+  unsigned linears = 0xF;
+  bool covers(int linear) const { return linear >= 0 && linear < 32 && ((linears >> linear) & 1u); }
 };
 
 // The scaled tensors of a model of n_layer blocks: for each of the four block linears (linear 0 qkv,
@@ -49,6 +53,9 @@ inline Fp8Format fp8_tensor_format(int index, int n_layer) {
   return fp8_role_format(static_cast<Fp8Role>(index / (kFp8Linears * n_layer)));
 }
 const char* fp8_linear_name(int linear);              // "qkv", "attn_proj", "mlp_up", "mlp_down"
+// The bit set of a comma-separated list of those names ("qkv,mlp_up"); a name that is not one of them, a
+// repeated one or an empty list is an std::invalid_argument that lists the names.
+unsigned parse_fp8_linears(const std::string& names);
 std::string fp8_tensor_name(int index, int n_layer);  // "layer 3 mlp_down output gradient"
 
 // A run's delayed-scaling state between steps: each scaled tensor's amax history, [tensor][history] in

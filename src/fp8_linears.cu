@@ -28,8 +28,9 @@ Fp8Linears::Fp8Linears(DeviceState& state, CublasLt& cublas, const Fp8Recipe& re
     : state_(state), cublas_(cublas), recipe_(recipe), count_(fp8_tensor_count(state.config().n_layer)) {
   for (int linear = 0; linear < kFp8Linears; ++linear) {
     const auto [IC, OC] = linear_shape(state.config(), linear);
-    if (IC % 16 != 0 || OC % 16 != 0)
-      throw std::invalid_argument("precision = fp8: the FP8 GEMMs need every linear's widths to be multiples of 16; " +
+    if (covers(linear) && (IC % 16 != 0 || OC % 16 != 0))
+      throw std::invalid_argument("precision = fp8: the FP8 GEMMs need the widths of each linear in FP8 to be "
+                                  "multiples of 16; " +
                                   std::string(fp8_linear_name(linear)) + " is " + std::to_string(OC) + " x " +
                                   std::to_string(IC));
   }
@@ -51,6 +52,7 @@ void Fp8Linears::plan(ArenaPlan& plan) {
   size_t max_ic = 0, max_oc = 0;
   for (int layer = 0; layer < c.n_layer; ++layer)
     for (int linear = 0; linear < kFp8Linears; ++linear) {
+      if (!covers(linear)) continue;
       const auto [IC, OC] = linear_shape(c, linear);
       Linear& l = linears_[kFp8Linears * layer + linear];
       plan.reserve(&l.wq, static_cast<size_t>(OC) * IC, weights);

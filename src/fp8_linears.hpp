@@ -41,6 +41,7 @@ class Fp8Linears {
   Fp8Linears& operator=(const Fp8Linears&) = delete;
 
   void plan(ArenaPlan& plan);
+  bool covers(int linear) const { return recipe_.covers(linear); }  // runs in FP8 (the recipe's linears)
   void upload_initial_scales();  // after allocation: every scale 1, no history
 
   // The four linears of a block (linear: 0 qkv, 1 attention output, 2 MLP up, 3 MLP down) of

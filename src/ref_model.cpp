@@ -89,7 +89,7 @@ void RefModel::enable_fp8(const Fp8Recipe& recipe) {
   for (int t = 0; t < fp8_tensor_count(config.n_layer); ++t)
     fp8_scales_.emplace_back(fp8_tensor_format(t, config.n_layer), recipe.history, recipe.margin);
   fp8_copies_.assign(kFp8Linears * config.n_layer, {});
-  fp8_history_ = recipe.history;
+  fp8_recipe_ = recipe;
   fp8_calibrated_ = false;
 }
 
@@ -105,14 +105,14 @@ void RefModel::fp8_end_step(int step) {
 Fp8ScalingState RefModel::fp8_state() const {
   Fp8ScalingState state;
   if (!fp8_calibrated_) return state;
-  state.history = fp8_history_;
+  state.history = fp8_recipe_.history;
   for (const Fp8DelayedScale& scale : fp8_scales_)
     state.amax.insert(state.amax.end(), scale.history().begin(), scale.history().end());
   return state;
 }
 
 void RefModel::load_fp8_state(const Fp8ScalingState& state) {
-  check_fp8_state(state, fp8_scales_.empty() ? std::nullopt : std::optional<int>(fp8_history_), config.n_layer);
+  check_fp8_state(state, fp8_scales_.empty() ? std::nullopt : std::optional<int>(fp8_recipe_.history), config.n_layer);
   if (state.empty()) return;
   for (size_t t = 0; t < fp8_scales_.size(); ++t) fp8_scales_[t].restore(state.amax.data() + t * state.history);
   fp8_calibrated_ = true;
@@ -135,7 +135,7 @@ std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8Role role, in
 
 void RefModel::linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC,
                               int OC) {
-  if (fp8_scales_.empty()) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
+  if (!fp8_recipe_.covers(linear)) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
   Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
   q.x = fp8_copy(x, static_cast<size_t>(N) * IC, Fp8Role::Input, layer, linear);
   q.w = fp8_copy(param(w), static_cast<size_t>(OC) * IC, Fp8Role::Weight, layer, linear);
@@ -144,7 +144,7 @@ void RefModel::linear_forward(int layer, int linear, float* y, const float* x, s
 
 void RefModel::linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b,
                                int N, int IC, int OC) {
-  if (fp8_scales_.empty()) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
+  if (!fp8_recipe_.covers(linear)) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
   const Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
   const std::vector<float> dyq = fp8_copy(dy, static_cast<size_t>(N) * OC, Fp8Role::OutputGrad, layer, linear);
   matmul_backward(dx, grad(w), nullptr, dyq.data(), q.x.data(), q.w.data(), N, IC, OC);

@@ -62,8 +62,8 @@ class RefModel {
   // Adds d(grad_scale * mean_loss)/d(params) into grads, for the last forward (which had targets).
   void backward(float grad_scale);
 
-  // FP8 training, emulated: the specification of the FP8 mode (docs/FP8.md). Each block linear (qkv,
-  // attention output, MLP up and down) runs its forward on e4m3 copies of its input and weight, and its
+  // FP8 training, emulated: the specification of the FP8 mode (docs/FP8.md). Each block linear of the
+  // recipe's (by default all four: qkv, attention output, MLP up and down) runs its forward on e4m3 copies of its input and weight, and its
   // dgrad and wgrad on an e5m2 copy of its output gradient with those e4m3 copies (bias gradients from the
   // unquantized one); a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling
   // (fp8.hpp): the scale from the amax history of the steps before. A training forward and every backward
@@ -102,7 +102,7 @@ class RefModel {
     std::vector<float> x, w;
   };
   std::vector<Fp8Copies> fp8_copies_;        // [n_layer * 4]
-  int fp8_history_ = 0;
+  Fp8Recipe fp8_recipe_{0, 0, 0};            // no linear in FP8 until enable_fp8
   bool fp8_calibrated_ = false;
   bool fp8_recording_ = false;
   int max_batch_, max_seq_len_;

@@ -175,13 +175,13 @@ void UnfusedRunner::norm_backward(bf16* dx, const bf16* dy, const bf16* x, size_
 }
 
 void UnfusedRunner::linear_forward(bf16* y, const bf16* x, size_t w, int N, int IC, int OC, int layer, int linear) {
-  if (fp8_ != nullptr && linear != kHead) return fp8_->forward(y, x, layer, linear, w, N, IC, OC, io.training);
+  if (fp8_ != nullptr && fp8_->covers(linear)) return fp8_->forward(y, x, layer, linear, w, N, IC, OC, io.training);
   cublas_->gemm(y, x, Op::N, weight(w), Op::T, N, OC, IC, false, stream_);
 }
 
 void UnfusedRunner::linear_backward(bf16* dx, const bf16* dy, const bf16* x, size_t w, int N, int IC, int OC,
                                     int layer, int linear) {
-  if (fp8_ != nullptr && linear != kHead) return fp8_->backward(dx, dy, x, layer, linear, w, N, IC, OC);
+  if (fp8_ != nullptr && fp8_->covers(linear)) return fp8_->backward(dx, dy, x, layer, linear, w, N, IC, OC);
   cublas_->gemm(dx, dy, Op::N, weight(w), Op::N, N, IC, OC, false, stream_);
   cublas_->gemm(grad(w), dy, Op::T, x, Op::N, OC, IC, N, true, stream_);
 }

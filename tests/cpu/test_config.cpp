@@ -82,6 +82,7 @@ coda::RunConfig random_config(uint64_t seed) {
   c.precision = "fp8";
   c.fp8_history = 1 + static_cast<int>(rng.below(64));
   c.fp8_margin = static_cast<int>(rng.below(4));
+  c.fp8_linears = rng.below(2) ? "mlp_down,qkv" : "attn_proj";
   c.deterministic = true;
   c.out = "runs/x y";
   c.seed = rng.next_u64();
@@ -127,6 +128,7 @@ void expect_same(const coda::RunConfig& a, const coda::RunConfig& b) {
   EXPECT_EQ(a.precision, b.precision);
   EXPECT_EQ(a.fp8_history, b.fp8_history);
   EXPECT_EQ(a.fp8_margin, b.fp8_margin);
+  EXPECT_EQ(a.fp8_linears, b.fp8_linears);
   EXPECT_EQ(a.deterministic, b.deterministic);
   EXPECT_EQ(a.out, b.out);
   EXPECT_EQ(a.seed, b.seed);
@@ -332,6 +334,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"Fp8InTheCodaMode", "[run]\nprecision = \"fp8\"\nkernels = \"coda\"\n", "",
                  "precision = fp8 runs in the unfused mode"},
         BadInput{"Fp8HistoryZero", "", "--precision fp8 --fp8_history 0", "fp8_history must be in [1, 1024]"},
+        BadInput{"Fp8LinearUnknown", "", "--fp8_linears qkv,mlp", "fp8_linears = \"qkv,mlp\": \"mlp\" is not a block linear"},
+        BadInput{"Fp8LinearTwice", "[run]\nfp8_linears = \"mlp_up,mlp_up\"\n", "", "\"mlp_up\" is listed twice"},
+        BadInput{"Fp8LinearsEmpty", "", "--fp8_linears ''", "an empty name"},
         BadInput{"BadDevice", "", "--device tpu", "device"},
         BadInput{"FileErrorsNameTheFile", "[model]\nbogus = 1\n", "", "bad.toml"},
         BadInput{"MissingConfigFile", nullptr, "", "bad.toml: file not found"},

@@ -7,8 +7,10 @@
 #include <omp.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "adamw.hpp"
@@ -434,4 +436,42 @@ TEST(RefModel, Fp8EvaluationLeavesTheScalesAndTheStateRoundTrips) {
   EXPECT_THROW(restored.load_fp8_state(wrong), std::invalid_argument);
   ref::RefModel fp32(config, B, T);
   EXPECT_THROW(fp32.load_fp8_state(state), std::invalid_argument);
+}
+
+// A recipe that covers some of the block linears: only their tensors record an amax (the others' histories
+// stay 0, their scales unused), and only their GEMMs are FP8: with mlp_down alone in FP8 the second step's
+// loss differs from the fp32 one and from the one with every linear in FP8; with no linear it is fp32's.
+TEST(RefModel, Fp8RecipeRunsOnlyTheLinearsItCovers) {
+  const ModelConfig config = llama_config();
+  const int B = 2, T = 7, n = coda::fp8_tensor_count(config.n_layer);
+  Rng rng(12);
+  const Batch batch = random_batch(B, T, config.vocab_size, rng);
+  const auto second_loss = [&](std::optional<coda::Fp8Recipe> recipe, coda::Fp8ScalingState* state) {
+    ref::RefModel model(config, B, T);
+    model.init(12);
+    if (recipe) model.enable_fp8(*recipe);
+    float loss = 0.0f;
+    for (int step = 0; step < 2; ++step) {
+      model.zero_grad();
+      loss = model.forward(batch.tokens.data(), batch.targets.data(), B, T, true);
+      model.backward(1.0f);
+      if (recipe) model.fp8_end_step(step);
+      for (size_t i = 0; i < model.params.size(); ++i) model.params[i] -= 1e-2f * model.grads[i];
+    }
+    if (state != nullptr) *state = model.fp8_state();
+    return loss;
+  };
+  const unsigned mlp_down = coda::parse_fp8_linears("mlp_down");
+  coda::Fp8ScalingState state;
+  const float down_only = second_loss(coda::Fp8Recipe{2, 0, mlp_down}, &state);
+  ASSERT_EQ(state.amax.size(), static_cast<size_t>(n) * 2);
+  for (int t = 0; t < n; ++t) {
+    const bool covered = t % coda::kFp8Linears == 3;
+    EXPECT_EQ(std::max(state.amax[2 * t], state.amax[2 * t + 1]) > 0.0f, covered)
+        << coda::fp8_tensor_name(t, config.n_layer);
+  }
+  const float fp32 = second_loss(std::nullopt, nullptr), all = second_loss(coda::Fp8Recipe{2, 0}, nullptr);
+  EXPECT_NE(down_only, fp32);
+  EXPECT_NE(down_only, all);
+  EXPECT_EQ(second_loss(coda::Fp8Recipe{2, 0, 0}, nullptr), fp32) << "a recipe without linears is the fp32 model";
 }
