@@ -155,11 +155,21 @@ std::vector<BenchResult> bench(const RunConfig& config, int steps, int warmup, C
     for (int step = warmup; step < warmup + steps; ++step) run_step(step, true);
     profile::set_recording(false);
     const double timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
-    const float wanted = meter != nullptr && timed_s < energy_seconds
-                             ? static_cast<float>(std::ceil((energy_seconds - timed_s) / (timed_s / steps)))
-                             : 0.0f;
-    const int extra_steps = static_cast<int>(comm != nullptr ? comm->all_reduce_scalar(wanted, ReduceOp::Max) : wanted);
-    for (int step = warmup + steps; step < warmup + steps + extra_steps; ++step) run_step(step, false);
+    // Untimed steps until the window is energy_seconds long, in rounds: a count estimated from the steps so
+    // far can fall short (the first timed steps of a small model run slower than the later ones), so the
+    // elapsed time is checked again after each round; every rank runs the largest count of any rank.
+    int extra_steps = 0;
+    for (double elapsed_s = timed_s; meter != nullptr;) {
+      const double per_step_s = elapsed_s / (steps + extra_steps);
+      const float wanted =
+          elapsed_s < energy_seconds ? static_cast<float>(std::ceil((energy_seconds - elapsed_s) / per_step_s)) : 0.0f;
+      const int round = static_cast<int>(comm != nullptr ? comm->all_reduce_scalar(wanted, ReduceOp::Max) : wanted);
+      if (round == 0) break;
+      for (int step = warmup + steps + extra_steps; step < warmup + steps + extra_steps + round; ++step)
+        run_step(step, false);
+      extra_steps += round;
+      elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
+    }
     BenchResult result;
     if (meter != nullptr) {
       const EnergyReading energy = meter->stop();
