@@ -2,7 +2,6 @@
 #include "coda_runner.hpp"
 
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -36,12 +35,11 @@ CodaRunner::CodaRunner(DeviceState& state, bool deterministic)
     : StepRunner(state, deterministic), norm1_stats_(config_.n_layer), norm2_stats_(config_.n_layer) {
   const std::string reason = coda_unsupported_reason(config_);
   if (!reason.empty()) throw std::invalid_argument(reason);
-  if (const char* bare = std::getenv("CODA_BARE_GEMMS"); bare != nullptr && *bare != '\0') {
-    if (std::strcmp(bare, "cublaslt") != 0)
-      throw std::invalid_argument(std::string("CODA_BARE_GEMMS=") + bare +
-                                  ": the only choice is cublaslt (unset: the hand-written GEMM)");
-    bare_cublas_ = std::make_unique<CublasLt>();
-  }
+  const char* bare = std::getenv("CODA_BARE_GEMMS");
+  const std::string choice = bare != nullptr && *bare != '\0' ? bare : "cublaslt";
+  if (choice != "cublaslt" && choice != "handwritten")
+    throw std::invalid_argument("CODA_BARE_GEMMS=" + choice + ": the choices are cublaslt (unset) and handwritten");
+  if (choice == "cublaslt") bare_cublas_ = std::make_unique<CublasLt>();
 }
 
 void CodaRunner::wgrad(float* dW, const bf16* dY, const bf16* X, int M, int N, int K) const {

@@ -70,9 +70,9 @@ class CodaRunner : public StepRunner {
   // (or the final norm after the last layer).
   NormStatsBuffers& next_norm_stats(int layer);
   // The GEMMs without a program: dW[M, N] += dY[K, M]^T X[K, N] (fp32; split over K unless the runner is
-  // deterministic) and dX[M, N] = dY[M, K] W[K, N]. They run on the hand-written GEMM; with
-  // CODA_BARE_GEMMS=cublaslt in the environment on cuBLASLt instead, which measures in the step what the
-  // hand-written GEMM costs there against the library (bench_gemm compares them alone).
+  // deterministic) and dX[M, N] = dY[M, K] W[K, N]. With no epilogue to fuse they run on cuBLASLt, whose
+  // mainloop spends fewer joules at the power cap (docs/PERFORMANCE.md); CODA_BARE_GEMMS=handwritten in the
+  // environment puts them on the hand-written GEMM, to measure the difference in the step.
   void wgrad(float* dW, const bf16* dY, const bf16* X, int M, int N, int K) const;
   void bare_dgrad(bf16* dX, const bf16* dY, const bf16* W, int M, int N, int K) const;
   // Row partials of a GEMM of this shape run with the Auto tile (gemm_row_partials).
@@ -93,7 +93,7 @@ class CodaRunner : public StepRunner {
   bf16* d_qkv_ = nullptr;       // [N, qkv_dim], scaled (dz' = r dz)
   bf16* d_up_ = nullptr;        // [N, mlp_up_rows], scaled
   void* attention_workspace_ = nullptr;
-  std::unique_ptr<CublasLt> bare_cublas_;  // CODA_BARE_GEMMS=cublaslt
+  std::unique_ptr<CublasLt> bare_cublas_;  // null with CODA_BARE_GEMMS=handwritten
 };
 
 }  // namespace coda

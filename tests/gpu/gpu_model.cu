@@ -263,14 +263,15 @@ TEST(GpuBackendChoice, AutoRunsCodaForEveryArchitectureAndCodaRefusesWhatItLacks
   }
 }
 
-// CODA_BARE_GEMMS=cublaslt (coda_runner.hpp) puts the coda step's GEMMs without a program on cuBLASLt: the
-// step still matches the CPU reference in loss and every gradient; any other value is refused by name.
-TEST(GpuBareGemms, CublasLtInTheCodaStepKeepsEveryGradient) {
+// CODA_BARE_GEMMS=handwritten (coda_runner.hpp) puts the coda step's GEMMs without a program on the
+// hand-written GEMM instead of cuBLASLt: the step still matches the CPU reference in loss and every
+// gradient; any other value is refused by name.
+TEST(GpuBareGemms, HandWrittenInTheCodaStepKeepsEveryGradient) {
   SKIP_WITHOUT_GPU();
   struct Unset {  // the variable leaves with the test, however it ends
     ~Unset() { unsetenv("CODA_BARE_GEMMS"); }
   } unset;
-  ASSERT_EQ(setenv("CODA_BARE_GEMMS", "cublaslt", 1), 0);
+  ASSERT_EQ(setenv("CODA_BARE_GEMMS", "handwritten", 1), 0);
   for (coda::Arch arch : {coda::Arch::GPT2, coda::Arch::Llama}) {
     SCOPED_TRACE(coda::arch_name(arch));
     const coda::ModelConfig c = tiny_model(arch);
