@@ -91,17 +91,17 @@ class GpuFp8Model : public ::testing::TestWithParam<coda::Arch> {};
 // The bf16 GPU mode's gradient error against the fp32 reference on these models (GpuModel: up to 7e-3).
 constexpr double kBf16GradError = 1.5e-2;
 
-TEST_P(GpuFp8Model, StepsFollowTheCpuEmulation) {
-  SKIP_WITHOUT_GPU();
-  const coda::ModelConfig c = fp8_model(GetParam());
+// Four steps of the GPU's FP8 mode against the emulation with the same recipe (the header above).
+void expect_steps_follow_the_emulation(coda::Arch arch, const coda::Fp8Recipe& recipe) {
+  const coda::ModelConfig c = fp8_model(arch);
   const coda::ParamLayout layout = coda::make_param_layout(c);
   const int B = 4, T = 64, steps = 4;
   std::vector<float> params(layout.total);
   coda::init_params(c, layout, 31, params.data());
   const Batches data = random_batches(steps, static_cast<size_t>(B) * T, c.vocab_size, 32);
-  auto emulated = coda::make_cpu_backend(c, B, T, kRecipe);
+  auto emulated = coda::make_cpu_backend(c, B, T, recipe);
   auto full = coda::make_cpu_backend(c, B, T);
-  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, kRecipe, false});
+  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, recipe, false});
   EXPECT_EQ(gpu->name(), "cuda-unfused-fp8");
   for (coda::Backend* backend : {emulated.get(), full.get(), gpu.get()}) backend->load_params(params.data());
   for (int step = 0; step < steps; ++step) {
@@ -137,12 +137,24 @@ TEST_P(GpuFp8Model, StepsFollowTheCpuEmulation) {
     // The calibration step's amax comes from the same weights on both sides (bf16 against fp32 activations);
     // later steps' from weights that the two FP8 gradients' independent noise has moved apart.
     for (size_t i = 0; i < a.amax.size(); ++i) {
-      const double limit = i % kRecipe.history == 0 ? 2e-2 : 0.3;
+      const double limit = i % recipe.history == 0 ? 2e-2 : 0.3;
       EXPECT_NEAR(b.amax[i], a.amax[i], limit * a.amax[i])
-          << "step " << step + 1 << " " << coda::fp8_tensor_name(static_cast<int>(i / kRecipe.history), c.n_layer)
-          << " history entry " << i % kRecipe.history;
+          << "step " << step + 1 << " " << coda::fp8_tensor_name(static_cast<int>(i / recipe.history), c.n_layer)
+          << " history entry " << i % recipe.history;
     }
   }
+}
+
+TEST_P(GpuFp8Model, StepsFollowTheCpuEmulation) {
+  SKIP_WITHOUT_GPU();
+  expect_steps_follow_the_emulation(GetParam(), kRecipe);
+}
+
+// fp8_linears: the linears outside the recipe run bf16 GEMMs on the GPU as in the emulation, and their
+// tensors' amax histories stay 0 on both sides.
+TEST_P(GpuFp8Model, ASubsetOfTheLinearsFollowsTheCpuEmulation) {
+  SKIP_WITHOUT_GPU();
+  expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{4, 0, coda::parse_fp8_linears("attn_proj,mlp_down")});
 }
 
 // The scaling state read after three steps, loaded with the weights and moments into a fresh backend,
@@ -217,8 +229,8 @@ INSTANTIATE_TEST_SUITE_P(Arch, GpuFp8Model,
                          ::testing::Values(coda::Arch::GPT2, coda::Arch::Llama, coda::Arch::Qwen2),
                          [](const auto& info) { return std::string(coda::arch_name(info.param)); });
 
-// fp8 runs the unfused mode: auto picks it, coda refuses; a training micro-batch needs B*T a multiple of 16,
-// an evaluation takes any.
+// fp8 runs the unfused mode: auto picks it, coda refuses; the linears in FP8 need widths that are multiples
+// of 16 (the others not); a training micro-batch needs B*T a multiple of 16, an evaluation takes any.
 TEST(GpuFp8Backend, RunsTheUnfusedModeAndChecksItsShapes) {
   SKIP_WITHOUT_GPU();
   const coda::ModelConfig c = fp8_model(coda::Arch::Llama);
@@ -227,6 +239,9 @@ TEST(GpuFp8Backend, RunsTheUnfusedModeAndChecksItsShapes) {
   coda::ModelConfig narrow = c;
   narrow.d_ff = 344;
   EXPECT_THROW(coda::make_cuda_backend(narrow, "unfused", 2, 64, {nullptr, kRecipe, false}), std::invalid_argument);
+  const coda::Fp8Recipe without_down{4, 0, coda::parse_fp8_linears("qkv,attn_proj,mlp_up")};
+  EXPECT_EQ(coda::make_cuda_backend(narrow, "unfused", 2, 64, {nullptr, without_down, false})->name(),
+            "cuda-unfused-fp8");
 
   auto gpu = coda::make_cuda_backend(c, "unfused", 2, 64, {nullptr, kRecipe, false});
   const coda::ParamLayout layout = coda::make_param_layout(c);
