@@ -10,7 +10,10 @@
 // cuBLASLt is what the unfused kernels it replaces spend. Fusion saves joules where epilogue < removed +
 // (cuBLASLt - bare).
 // Method: bench_util.cuh; correctness is gpu_tests' business. Shapes and inputs: above kAct below.
-// Usage: bench_programs [--runs N] [--model gpt2|llama]   (default: 25 timed runs, both models)
+// --tiles: every program on each tile it is compiled for (all three in a -DCODA_ALL_TILES=ON build), one row per
+// tile, each against the same chain: which tile spends the fewest joules for a program's mainloop and epilogue.
+// Usage: bench_programs [--runs N] [--model gpt2|llama] [--tiles]   (default: 25 timed runs, both models, the
+// tile the trainer picks)
 
 #include <algorithm>
 #include <cmath>
@@ -36,6 +39,7 @@ using namespace coda;
 using bf16 = __nv_bfloat16;
 
 int g_timed_runs = 25;
+bool g_every_tile = false;
 uint64_t g_seed = 1;
 
 // The device allocations of one benchmark case, freed together.
@@ -108,10 +112,10 @@ struct Gemm {
     else
       gemm_dgrad(D, a(i), b(i), M, N, K, nullptr, tile);
   }
-  // gemm_run with the program, into D (its width as the program maps the N columns).
+  // gemm_run with the program on `tile`, into D (its width as the program maps the N columns).
   template <GemmLayout kLayout, class Program>
-  void coda(bf16* D, bool accumulate, const Program& program, int i) const {
-    gemm_run<kLayout>(GemmTile::Auto, D, a(i), b(i), M, N, K, accumulate, program, nullptr);
+  void coda(GemmTile tile, bf16* D, bool accumulate, const Program& program, int i) const {
+    gemm_run<kLayout>(tile, D, a(i), b(i), M, N, K, accumulate, program, nullptr);
   }
 };
 
@@ -178,13 +182,11 @@ struct HeadLoss {
   }
 };
 
-// Times CODA (the program run by `coda`), bare (the identity program on the program's tile, into
+// Times CODA (the program on `tile`, run by `coda`), bare (the identity program on the same tile, into
 // bare_out), the chain and each of its parts interleaved; prints one table row. A launch that throws (a
 // shape the GEMM refuses) is reported in the row and the next case still runs.
-template <class Program>
-void report(const std::string& name, const Gemm& g, const Program& program, const std::function<void(int)>& coda,
-            bf16* bare_out, const std::vector<Part>& chain) {
-  const GemmTile tile = g.tile(program);
+void report_on_tile(const std::string& name, const Gemm& g, GemmTile tile, const std::function<void(int)>& coda,
+                    bf16* bare_out, const std::vector<Part>& chain) {
   const auto bare = [&](int i) { g.bare(bare_out, tile, i); };
   std::vector<std::function<void(int)>> runs{coda, bare, [&](int i) {
                                                for (const Part& p : chain) p.run(i);
@@ -221,6 +223,15 @@ void report(const std::string& name, const Gemm& g, const Program& program, cons
                 ms[2] / ms[0], parts.c_str(), energy);
   std::printf("%s\n", row);
   std::fflush(stdout);
+}
+
+// One row on the tile the trainer picks for the program, or with --tiles one per tile it is compiled for.
+template <class Program>
+void report(const std::string& name, const Gemm& g, const Program& program,
+            const std::function<void(GemmTile, int)>& coda, bf16* bare_out, const std::vector<Part>& chain) {
+  const std::vector<GemmTile> tiles =
+      g_every_tile ? gemm_tiles_compiled(g.layout, gemm_epilogue_of<Program>()) : std::vector<GemmTile>{g.tile(program)};
+  for (GemmTile tile : tiles) report_on_tile(name, g, tile, [&](int i) { coda(tile, i); }, bare_out, chain);
 }
 
 // ---- GPT-2 (gpt2-124m, B=32 T=1024) ----
@@ -266,7 +277,7 @@ void ln_linear(Unfused& u, LnLinear kind) {
     chain.push_back({"bias_add", [&](int) { unfused::bias_add(y, bias, M, N, nullptr); }});
     const auto program = ln_linear_program(stats, c, b_prime);
     report("gpt2 QKV forward", g, program,
-           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
+           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
   } else if (kind == LnLinear::Fc) {
     bf16* pre = arena.alloc<bf16>(size_t(M) * F);
     bf16* act = arena.alloc<bf16>(size_t(M) * F);
@@ -274,13 +285,13 @@ void ln_linear(Unfused& u, LnLinear kind) {
     chain.push_back({"gelu_forward", [&](int) { unfused::gelu_forward(act, y, size_t(M) * F, nullptr); }});
     const auto program = fc_program(stats, c, b_prime, pre, F);
     report("gpt2 fc forward", g, program,
-           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
+           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
   } else {
     const HeadLoss loss(arena, M, N, V);
     chain.push_back(loss.crossentropy(y, M, V, Vp));
     const auto program = lm_head_program(stats, c, b_prime, loss.targets, loss.target_logit, loss.lse_partials, V);
     report("gpt2 LM head", g, program,
-           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
+           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
   }
 }
 
@@ -300,7 +311,7 @@ void residual(Unfused& u) {
   bf16* h_unfused = arena.alloc<bf16>(size_t(M) * C);
   const auto program = prog::gpt2::residual_program(res, bias, h, C, gamma, sum, sumsq);
   report("gpt2 residual (proj) forward", g, program,
-         [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out,
+         [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
           {"bias_add", [&](int) { unfused::bias_add(proj, bias, M, C, nullptr); }},
           {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}});
@@ -327,7 +338,7 @@ void proj_dgrad(Unfused& u) {
   CUDA_CHECK(cudaMemset(d_bias, 0, F * sizeof(float)));
   const auto program = prog::gpt2::proj_dgrad_program(pre, F, stats, c, b_prime, ln_dots, col_b);
   report("gpt2 proj dgrad + GELU backward", g, program,
-         [&](int i) { g.coda<GemmLayout::Dgrad>(out, false, program, i); }, bare_out,
+         [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
           {"gelu_backward", [&](int) { unfused::gelu_backward(d_up, d_act, pre, size_t(M) * F, nullptr); }},
           {"column_sum", [&](int) { unfused::column_sum(d_bias, d_up, M, F, F, u.ws, nullptr); }}});
@@ -366,7 +377,7 @@ void ln_backward(Unfused& u, const std::string& name, int K, int stats_count, in
   for (float* p : {d_gamma, d_beta, d_bias}) CUDA_CHECK(cudaMemset(p, 0, C * sizeof(float)));
   const auto program =
       prog::gpt2::ln_backward_program(stats, ln_dots, h, C, gamma, beta, d_residual, ln_cols, norm_out_over_rstd);
-  report(name, g, program, [&](int i) { g.coda<GemmLayout::Dgrad>(d_residual, false, program, i); },
+  report(name, g, program, [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, d_residual, false, program, i); },
          bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
           {"layernorm_backward",
@@ -429,7 +440,7 @@ void normed(Unfused& u, Normed kind) {
     chain.push_back({"rope", [&](int) { unfused::rope(y, rope_table, B, T, n_head, n_kv_head, hd, false, nullptr); }});
     const auto program = qkv_program(stats, epi::Rope<hd>{T, (n_head + n_kv_head) * hd, std::log2(kTheta)});
     report("llama QKV + RoPE", g, program,
-           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
+           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
   } else if (kind == Normed::GateUp) {
     bf16* gu = arena.alloc<bf16>(size_t(M) * N);
     bf16* act = arena.alloc<bf16>(size_t(M) * F);
@@ -437,14 +448,14 @@ void normed(Unfused& u, Normed kind) {
     chain.push_back({"swiglu_forward", [&](int) { unfused::swiglu_forward(act_unfused, y, M, F, nullptr); }});
     const auto program = gate_up_program(stats, gu, N);
     report("llama gate/up + SwiGLU", g, program,
-           [&](int i) { g.coda<GemmLayout::Forward>(act, false, program, i); }, bare_out, chain);
+           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, act, false, program, i); }, bare_out, chain);
   } else {
     const HeadLoss loss(arena, M, N, V);
     bf16* out = arena.alloc<bf16>(size_t(M) * N);
     chain.push_back(loss.crossentropy(y, M, V, Vp));
     const auto program = lm_head_program(stats, loss.targets, loss.target_logit, loss.lse_partials, V);
     report("llama LM head", g, program,
-           [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out, chain);
+           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
   }
 }
 
@@ -462,7 +473,7 @@ void residual(Unfused& u) {
   bf16* h_unfused = arena.alloc<bf16>(size_t(M) * C);
   const auto program = prog::llama::residual_program(res, h, C, gamma, sumsq);
   report("llama residual (down) forward", g, program,
-         [&](int i) { g.coda<GemmLayout::Forward>(out, false, program, i); }, bare_out,
+         [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
           {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}});
 }
@@ -481,7 +492,7 @@ void down_dgrad(Unfused& u) {
   bf16* d_gu = arena.alloc<bf16>(size_t(M) * 2 * F);
   const auto program = prog::llama::swiglu_backward_program(gu, 2 * F, stats, dots);
   report("llama down dgrad + SwiGLU backward", g, program,
-         [&](int i) { g.coda<GemmLayout::Dgrad>(out, false, program, i); }, bare_out,
+         [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, out, false, program, i); }, bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
           {"swiglu_backward", [&](int) { unfused::swiglu_backward(d_gu, d_act, gu, M, F, nullptr); }}});
 }
@@ -505,7 +516,7 @@ void norm_backward(Unfused& u, const std::string& name, int K, int stats_count, 
   float* d_gamma = arena.alloc<float>(C);
   CUDA_CHECK(cudaMemset(d_gamma, 0, C * sizeof(float)));
   const auto program = prog::llama::norm_backward_program(stats, dots, dot_count, h, C, gamma, dgamma_partials);
-  report(name, g, program, [&](int i) { g.coda<GemmLayout::Dgrad>(d_residual, accumulate, program, i); },
+  report(name, g, program, [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, d_residual, accumulate, program, i); },
          bare_out,
          {{"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
           {"rmsnorm_backward", [&](int) {
@@ -537,8 +548,12 @@ int main(int argc, char** argv) {
       g_timed_runs = std::max(1, std::atoi(argv[++i]));
     else if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc)
       model = argv[++i];
+    else if (std::strcmp(argv[i], "--tiles") == 0)
+      g_every_tile = true;
     else {
-      std::fprintf(stderr, "bench_programs: unknown argument %s (usage: bench_programs [--runs N] [--model gpt2|llama])\n",
+      std::fprintf(stderr,
+                   "bench_programs: unknown argument %s (usage: bench_programs [--runs N] [--model gpt2|llama] "
+                   "[--tiles])\n",
                    argv[i]);
       return 2;
     }
