@@ -63,9 +63,9 @@ class RefModel {
   void backward(float grad_scale);
 
   // FP8 training, emulated: the specification of the FP8 mode (docs/FP8.md). Each block linear of the
-  // recipe's (by default all four: qkv, attention output, MLP up and down) runs its forward on e4m3 copies of its input and weight, and its
-  // dgrad and wgrad on an e5m2 copy of its output gradient with those e4m3 copies (bias gradients from the
-  // unquantized one); a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling
+  // recipe's (by default all four: qkv, attention output, MLP up and down; the others stay fp32) runs its
+  // forward on e4m3 copies of its input and weight, and its dgrad and wgrad on an e5m2 copy of its output
+  // gradient with those e4m3 copies (bias gradients from the unquantized one); a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling
   // (fp8.hpp): the scale from the amax history of the steps before. A training forward and every backward
   // record their tensors' amax; an evaluation forward quantizes with the scales as they are. Until the
   // first step has closed there is no history: that step computes in fp32 and only records (calibration).
