@@ -11,6 +11,7 @@
 #   CODA_CHECK_BENCH_KERNELS=1              also run the unfused-kernel and CODA-pass benchmarks
 #   CODA_CHECK_PROGRAMS=1                   also run bench_programs (each program against its chain, in time and
 #                                           in joules: the epilogue's against the removed kernels'; ~4 min)
+#   CODA_CHECK_PROGRAMS=tiles               the same with each program on every tile (--tiles; ~12 min)
 # Logs and the bench JSON go to BUILD_DIR/check-logs, and into $OUT/check-logs.tar.gz as well when OUT
 # is set. The script keeps going after a failed step and exits non-zero if any step failed.
 set -uo pipefail
@@ -57,8 +58,9 @@ if [[ -n "${CODA_CHECK_BENCH_KERNELS:-}" ]]; then
 fi
 
 if [[ -n "${CODA_CHECK_PROGRAMS:-}" ]]; then
-  echo "== CODA programs against their unfused chains (bench_programs --runs 10)"
-  "$bin/bench_programs" --runs 10 >"$logs/bench_programs.log" 2>&1 || status=1
+  tiles=$([[ $CODA_CHECK_PROGRAMS == tiles ]] && echo --tiles || true)
+  echo "== CODA programs against their unfused chains (bench_programs --runs 10 $tiles)"
+  "$bin/bench_programs" --runs 10 $tiles >"$logs/bench_programs.log" 2>&1 || status=1
   grep -E '^\| (program|gpt2|llama)' "$logs/bench_programs.log"
 fi
 
