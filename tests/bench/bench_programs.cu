@@ -10,6 +10,8 @@
 // cuBLASLt is what the unfused kernels it replaces spend. Fusion saves joules where epilogue < removed +
 // (cuBLASLt - bare).
 // Method: bench_util.cuh; correctness is gpu_tests' business. Shapes and inputs: above kAct below.
+// After the table, per model, these differences summed over a step (each program times its launches): the
+// mainloops' joules against cuBLASLt's and the epilogues' against the kernels they remove.
 // --tiles: every program on each tile it is compiled for (all three in a -DCODA_ALL_TILES=ON build), one row per
 // tile, each against the same chain: which tile spends the fewest joules for a program's mainloop and epilogue.
 // Usage: bench_programs [--runs N] [--model gpt2|llama] [--tiles]   (default: 25 timed runs, both models, the
@@ -40,6 +42,17 @@ using bf16 = __nv_bfloat16;
 
 int g_timed_runs = 25;
 bool g_every_tile = false;
+
+// A model's step summed over the programs benchmarked (rows on the trainer's tiles only): each row's
+// differences times its launches per step (n_layer for the block programs, 1 for the head's, set by run()
+// before its cases). Mainloop = bare - cuBLASLt, epilogue = (CODA - bare) - (chain - cuBLASLt).
+struct StepEnergy {
+  std::string model;
+  int layers = 0, launches = 0;  // launches per step of the programs reported next
+  double mainloop_mj = 0.0, epilogue_mj = 0.0;
+  bool complete = true;  // every row read its energy
+};
+std::vector<StepEnergy> g_steps;
 uint64_t g_seed = 1;
 
 // The device allocations of one benchmark case, freed together.
@@ -206,6 +219,14 @@ void report_on_tile(const std::string& name, const Gemm& g, GemmTile tile, const
   if (gemm_part == chain.size()) throw std::logic_error(name + ": the chain has no cublas part");
   const std::vector<double> mj = bench::median_millijoules({runs[0], runs[1], runs[2], runs[3 + gemm_part]},
                                                            {ms[0], ms[1], ms[2], ms[3 + gemm_part]});
+  if (!g_every_tile && !g_steps.empty()) {
+    StepEnergy& step = g_steps.back();
+    step.complete = step.complete && !mj.empty();
+    if (!mj.empty()) {
+      step.mainloop_mj += step.launches * (mj[1] - mj[3]);
+      step.epilogue_mj += step.launches * ((mj[0] - mj[1]) - (mj[2] - mj[3]));
+    }
+  }
   char energy[160] = "- | - | - | - | - | - | -";
   if (!mj.empty())
     std::snprintf(energy, sizeof energy, "%.2f | %.2f | %.2f | %.2f | %.2fx | %.2f | %.2f", mj[0], mj[1], mj[2],
@@ -389,6 +410,7 @@ void ln_backward(Unfused& u, const std::string& name, int K, int stats_count, in
 }
 
 void run(Unfused& u) {
+  g_steps.push_back({"gpt2-124m", 12, 12});
   ln_linear(u, LnLinear::Qkv);
   ln_linear(u, LnLinear::Fc);
   residual(u);
@@ -396,6 +418,7 @@ void run(Unfused& u) {
   ln_backward(u, "gpt2 LN-backward dgrad (fc)", F, after_out_proj(), gemm_row_partials(GemmLayout::Dgrad, M, F, C),
               true);
   ln_backward(u, "gpt2 LN-backward dgrad (QKV)", Q, after_proj(), 1, true);
+  g_steps.back().launches = 1;
   ln_backward(u, "gpt2 LN-backward dgrad (LM head)", Vp, after_proj(), 1, false);
   ln_linear(u, LnLinear::Head);
 }
@@ -526,6 +549,7 @@ void norm_backward(Unfused& u, const std::string& name, int K, int stats_count, 
 }
 
 void run(Unfused& u) {
+  g_steps.push_back({"llama3.2-1b", 16, 16});
   normed(u, Normed::Qkv);
   normed(u, Normed::GateUp);
   residual(u);
@@ -533,6 +557,7 @@ void run(Unfused& u) {
   norm_backward(u, "llama norm-backward dgrad (gate/up)", 2 * F, after_out_proj(),
                 gemm_row_partials(GemmLayout::Dgrad, M, F, C), true);
   norm_backward(u, "llama norm-backward dgrad (QKV)", Q, after_down(), 1, true);
+  g_steps.back().launches = 1;
   norm_backward(u, "llama norm-backward dgrad (LM head)", Vp, after_down(), 1, false);
   normed(u, Normed::Head);
 }
@@ -574,6 +599,11 @@ int main(int argc, char** argv) {
     if (model != "llama") gpt2::run(u);
     if (model != "gpt2") llama::run(u);
     CUDA_CHECK(cudaDeviceSynchronize());
+    for (const StepEnergy& step : g_steps)
+      if (!g_every_tile && step.complete)
+        std::printf("%s, a step of these programs (%d layers and the head): mainloops %+.2f J against cuBLASLt's, "
+                    "epilogues %+.2f J against the kernels they remove\n",
+                    step.model.c_str(), step.layers, 1e-3 * step.mainloop_mj, 1e-3 * step.epilogue_mj);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_programs: %s\n", e.what());
     return 1;
