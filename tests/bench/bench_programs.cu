@@ -246,13 +246,16 @@ void report_on_tile(const std::string& name, const Gemm& g, GemmTile tile, const
   std::fflush(stdout);
 }
 
-// One row on the tile the trainer picks for the program, or with --tiles one per tile it is compiled for.
-template <class Program>
-void report(const std::string& name, const Gemm& g, const Program& program,
-            const std::function<void(GemmTile, int)>& coda, bf16* bare_out, const std::vector<Part>& chain) {
+// The program into out (accumulated there or not): one row on the tile the trainer picks for it, or with
+// --tiles one per tile it is compiled for.
+template <GemmLayout kLayout, class Program>
+void report(const std::string& name, const Gemm& g, const Program& program, bf16* out, bool accumulate,
+            bf16* bare_out, const std::vector<Part>& chain) {
   const std::vector<GemmTile> tiles =
-      g_every_tile ? gemm_tiles_compiled(g.layout, gemm_epilogue_of<Program>()) : std::vector<GemmTile>{g.tile(program)};
-  for (GemmTile tile : tiles) report_on_tile(name, g, tile, [&](int i) { coda(tile, i); }, bare_out, chain);
+      g_every_tile ? gemm_tiles_compiled(kLayout, gemm_epilogue_of<Program>()) : std::vector<GemmTile>{g.tile(program)};
+  for (GemmTile tile : tiles)
+    report_on_tile(name, g, tile, [&](int i) { g.coda<kLayout>(tile, out, accumulate, program, i); }, bare_out,
+                   chain);
 }
 
 // ---- GPT-2 (gpt2-124m, B=32 T=1024) ----
@@ -297,22 +300,19 @@ void ln_linear(Unfused& u, LnLinear kind) {
   if (kind == LnLinear::Qkv) {
     chain.push_back({"bias_add", [&](int) { unfused::bias_add(y, bias, M, N, nullptr); }});
     const auto program = ln_linear_program(stats, c, b_prime);
-    report("gpt2 QKV forward", g, program,
-           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
+    report<GemmLayout::Forward>("gpt2 QKV forward", g, program, out, false, bare_out, chain);
   } else if (kind == LnLinear::Fc) {
     bf16* pre = arena.alloc<bf16>(size_t(M) * F);
     bf16* act = arena.alloc<bf16>(size_t(M) * F);
     chain.push_back({"bias_add", [&](int) { unfused::bias_add(y, bias, M, N, nullptr); }});
     chain.push_back({"gelu_forward", [&](int) { unfused::gelu_forward(act, y, size_t(M) * F, nullptr); }});
     const auto program = fc_program(stats, c, b_prime, pre, F);
-    report("gpt2 fc forward", g, program,
-           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
+    report<GemmLayout::Forward>("gpt2 fc forward", g, program, out, false, bare_out, chain);
   } else {
     const HeadLoss loss(arena, M, N, V);
     chain.push_back(loss.crossentropy(y, M, V, Vp));
     const auto program = lm_head_program(stats, c, b_prime, loss.targets, loss.target_logit, loss.lse_partials, V);
-    report("gpt2 LM head", g, program,
-           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
+    report<GemmLayout::Forward>("gpt2 LM head", g, program, out, false, bare_out, chain);
   }
 }
 
@@ -331,11 +331,11 @@ void residual(Unfused& u) {
   bf16* proj = arena.alloc<bf16>(size_t(M) * C);
   bf16* h_unfused = arena.alloc<bf16>(size_t(M) * C);
   const auto program = prog::gpt2::residual_program(res, bias, h, C, gamma, sum, sumsq);
-  report("gpt2 residual (proj) forward", g, program,
-         [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out,
-         {{"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
-          {"bias_add", [&](int) { unfused::bias_add(proj, bias, M, C, nullptr); }},
-          {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}});
+  const std::vector<Part> chain{
+      {"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
+      {"bias_add", [&](int) { unfused::bias_add(proj, bias, M, C, nullptr); }},
+      {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}};
+  report<GemmLayout::Forward>("gpt2 residual (proj) forward", g, program, out, false, bare_out, chain);
 }
 
 // MLP projection dgrad + GELU backward (+ the fc bias gradient and the row dots of the fc's
@@ -358,11 +358,11 @@ void proj_dgrad(Unfused& u) {
   float* d_bias = arena.alloc<float>(F);
   CUDA_CHECK(cudaMemset(d_bias, 0, F * sizeof(float)));
   const auto program = prog::gpt2::proj_dgrad_program(pre, F, stats, c, b_prime, ln_dots, col_b);
-  report("gpt2 proj dgrad + GELU backward", g, program,
-         [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, out, false, program, i); }, bare_out,
-         {{"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
-          {"gelu_backward", [&](int) { unfused::gelu_backward(d_up, d_act, pre, size_t(M) * F, nullptr); }},
-          {"column_sum", [&](int) { unfused::column_sum(d_bias, d_up, M, F, F, u.ws, nullptr); }}});
+  const std::vector<Part> chain{
+      {"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
+      {"gelu_backward", [&](int) { unfused::gelu_backward(d_up, d_act, pre, size_t(M) * F, nullptr); }},
+      {"column_sum", [&](int) { unfused::column_sum(d_bias, d_up, M, F, F, u.ws, nullptr); }}};
+  report<GemmLayout::Dgrad>("gpt2 proj dgrad + GELU backward", g, program, out, false, bare_out, chain);
 }
 
 // The dgrad of a LayerNormed GEMM (weight [K, C]) with the LayerNorm backward, in place on d_residual, and
@@ -398,15 +398,15 @@ void ln_backward(Unfused& u, const std::string& name, int K, int stats_count, in
   for (float* p : {d_gamma, d_beta, d_bias}) CUDA_CHECK(cudaMemset(p, 0, C * sizeof(float)));
   const auto program =
       prog::gpt2::ln_backward_program(stats, ln_dots, h, C, gamma, beta, d_residual, ln_cols, norm_out_over_rstd);
-  report(name, g, program, [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, d_residual, false, program, i); },
-         bare_out,
-         {{"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
-          {"layernorm_backward",
-           [&](int) {
-             unfused::layernorm_backward(d_residual_unfused, d_gamma, d_beta, d_norm, h, gamma, mean, rstd, M, C,
-                                         accumulate, u.norm_partials, u.ws, nullptr);
-           }},
-          {"column_sum", [&](int) { unfused::column_sum(d_bias, d_residual_unfused, M, C, C, u.ws, nullptr); }}});
+  const std::vector<Part> chain{
+      {"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
+      {"layernorm_backward",
+       [&](int) {
+         unfused::layernorm_backward(d_residual_unfused, d_gamma, d_beta, d_norm, h, gamma, mean, rstd, M, C,
+                                     accumulate, u.norm_partials, u.ws, nullptr);
+       }},
+      {"column_sum", [&](int) { unfused::column_sum(d_bias, d_residual_unfused, M, C, C, u.ws, nullptr); }}};
+  report<GemmLayout::Dgrad>(name, g, program, d_residual, false, bare_out, chain);
 }
 
 void run(Unfused& u) {
@@ -462,23 +462,20 @@ void normed(Unfused& u, Normed kind) {
     bf16* out = arena.alloc<bf16>(size_t(M) * N);
     chain.push_back({"rope", [&](int) { unfused::rope(y, rope_table, B, T, n_head, n_kv_head, hd, false, nullptr); }});
     const auto program = qkv_program(stats, epi::Rope<hd>{T, (n_head + n_kv_head) * hd, std::log2(kTheta)});
-    report("llama QKV + RoPE", g, program,
-           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
+    report<GemmLayout::Forward>("llama QKV + RoPE", g, program, out, false, bare_out, chain);
   } else if (kind == Normed::GateUp) {
     bf16* gu = arena.alloc<bf16>(size_t(M) * N);
     bf16* act = arena.alloc<bf16>(size_t(M) * F);
     bf16* act_unfused = arena.alloc<bf16>(size_t(M) * F);
     chain.push_back({"swiglu_forward", [&](int) { unfused::swiglu_forward(act_unfused, y, M, F, nullptr); }});
     const auto program = gate_up_program(stats, gu, N);
-    report("llama gate/up + SwiGLU", g, program,
-           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, act, false, program, i); }, bare_out, chain);
+    report<GemmLayout::Forward>("llama gate/up + SwiGLU", g, program, act, false, bare_out, chain);
   } else {
     const HeadLoss loss(arena, M, N, V);
     bf16* out = arena.alloc<bf16>(size_t(M) * N);
     chain.push_back(loss.crossentropy(y, M, V, Vp));
     const auto program = lm_head_program(stats, loss.targets, loss.target_logit, loss.lse_partials, V);
-    report("llama LM head", g, program,
-           [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out, chain);
+    report<GemmLayout::Forward>("llama LM head", g, program, out, false, bare_out, chain);
   }
 }
 
@@ -495,10 +492,10 @@ void residual(Unfused& u) {
   bf16* proj = arena.alloc<bf16>(size_t(M) * C);
   bf16* h_unfused = arena.alloc<bf16>(size_t(M) * C);
   const auto program = prog::llama::residual_program(res, h, C, gamma, sumsq);
-  report("llama residual (down) forward", g, program,
-         [&](GemmTile t, int i) { g.coda<GemmLayout::Forward>(t, out, false, program, i); }, bare_out,
-         {{"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
-          {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}});
+  const std::vector<Part> chain{
+      {"cublas", [&](int i) { g.cublas(u.lt, proj, i); }},
+      {"residual_add", [&](int) { unfused::residual_add(h_unfused, res, proj, size_t(M) * C, nullptr); }}};
+  report<GemmLayout::Forward>("llama residual (down) forward", g, program, out, false, bare_out, chain);
 }
 
 // Down-projection dgrad + SwiGLU backward (1 -> 2 columns: writes d(g, u) [M, 2F]); chain: GEMM dgrad +
@@ -514,10 +511,10 @@ void down_dgrad(Unfused& u) {
   bf16* d_act = arena.alloc<bf16>(size_t(M) * F);
   bf16* d_gu = arena.alloc<bf16>(size_t(M) * 2 * F);
   const auto program = prog::llama::swiglu_backward_program(gu, 2 * F, stats, dots);
-  report("llama down dgrad + SwiGLU backward", g, program,
-         [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, out, false, program, i); }, bare_out,
-         {{"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
-          {"swiglu_backward", [&](int) { unfused::swiglu_backward(d_gu, d_act, gu, M, F, nullptr); }}});
+  const std::vector<Part> chain{
+      {"cublas", [&](int i) { g.cublas(u.lt, d_act, i); }},
+      {"swiglu_backward", [&](int) { unfused::swiglu_backward(d_gu, d_act, gu, M, F, nullptr); }}};
+  report<GemmLayout::Dgrad>("llama down dgrad + SwiGLU backward", g, program, out, false, bare_out, chain);
 }
 
 // The dgrad of a normed GEMM (weight [K, C]) with the RMSNorm backward, adding into d_residual (or writing
@@ -539,13 +536,13 @@ void norm_backward(Unfused& u, const std::string& name, int K, int stats_count, 
   float* d_gamma = arena.alloc<float>(C);
   CUDA_CHECK(cudaMemset(d_gamma, 0, C * sizeof(float)));
   const auto program = prog::llama::norm_backward_program(stats, dots, dot_count, h, C, gamma, dgamma_partials);
-  report(name, g, program, [&](GemmTile t, int i) { g.coda<GemmLayout::Dgrad>(t, d_residual, accumulate, program, i); },
-         bare_out,
-         {{"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
-          {"rmsnorm_backward", [&](int) {
-             unfused::rmsnorm_backward(d_residual_unfused, d_gamma, d_norm, h, gamma, rstd, M, C, accumulate,
-                                       u.norm_partials, u.ws, nullptr);
-           }}});
+  const std::vector<Part> chain{
+      {"cublas", [&](int i) { g.cublas(u.lt, d_norm, i); }},
+      {"rmsnorm_backward", [&](int) {
+         unfused::rmsnorm_backward(d_residual_unfused, d_gamma, d_norm, h, gamma, rstd, M, C, accumulate,
+                                   u.norm_partials, u.ws, nullptr);
+       }}};
+  report<GemmLayout::Dgrad>(name, g, program, d_residual, accumulate, bare_out, chain);
 }
 
 void run(Unfused& u) {
