@@ -14,8 +14,9 @@
 // mainloops' joules against cuBLASLt's and the epilogues' against the kernels they remove.
 // --tiles: every program on each tile it is compiled for (all three in a -DCODA_ALL_TILES=ON build), one row per
 // tile, each against the same chain: which tile spends the fewest joules for a program's mainloop and epilogue.
-// Usage: bench_programs [--runs N] [--model gpt2|llama] [--tiles]   (default: 25 timed runs, both models, the
-// tile the trainer picks)
+// --only TEXT: only the programs whose name contains TEXT (e.g. "LM head").
+// Usage: bench_programs [--runs N] [--model gpt2|llama] [--tiles] [--only TEXT]   (default: 25 timed runs, both
+// models, every program, the tile the trainer picks)
 
 #include <algorithm>
 #include <cmath>
@@ -42,6 +43,7 @@ using bf16 = __nv_bfloat16;
 
 int g_timed_runs = 25;
 bool g_every_tile = false;
+std::string g_only;  // --only: a part of the names of the programs to run
 
 // A model's step summed over the programs benchmarked (rows on the trainer's tiles only): each row's
 // differences times its launches per step (n_layer for the block programs, 1 for the head's, set by run()
@@ -251,6 +253,10 @@ void report_on_tile(const std::string& name, const Gemm& g, GemmTile tile, const
 template <GemmLayout kLayout, class Program>
 void report(const std::string& name, const Gemm& g, const Program& program, bf16* out, bool accumulate,
             bf16* bare_out, const std::vector<Part>& chain) {
+  if (name.find(g_only) == std::string::npos) {
+    if (!g_steps.empty()) g_steps.back().complete = false;  // a step sum needs every program
+    return;
+  }
   const std::vector<GemmTile> tiles =
       g_every_tile ? gemm_tiles_compiled(kLayout, gemm_epilogue_of<Program>()) : std::vector<GemmTile>{g.tile(program)};
   for (GemmTile tile : tiles)
@@ -572,10 +578,12 @@ int main(int argc, char** argv) {
       model = argv[++i];
     else if (std::strcmp(argv[i], "--tiles") == 0)
       g_every_tile = true;
+    else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc)
+      g_only = argv[++i];
     else {
       std::fprintf(stderr,
                    "bench_programs: unknown argument %s (usage: bench_programs [--runs N] [--model gpt2|llama] "
-                   "[--tiles])\n",
+                   "[--tiles] [--only TEXT])\n",
                    argv[i]);
       return 2;
     }
