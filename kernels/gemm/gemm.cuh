@@ -53,12 +53,13 @@ inline constexpr GemmTile kGemmTiles[] = {GemmTile::Cooperative128x256, GemmTile
 enum class GemmEpilogue { Bare, Program, TwoTileInputs };
 
 // The tiles gemm_choose_tile can pick for some shape of this layout and epilogue: the cooperative tile
-// always; ping-pong 128x128 for bare GEMMs and forward programs; ping-pong 64x256 for programs with at
-// most one tile input.
+// always; ping-pong 128x128 for bare GEMMs and forward programs with at most one tile input; ping-pong
+// 64x256 for programs with at most one tile input.
 constexpr bool gemm_tile_can_be_chosen(GemmLayout layout, GemmEpilogue epilogue, GemmTile tile) {
   switch (tile) {
     case GemmTile::Cooperative128x256: return true;
-    case GemmTile::PingPong128x128: return epilogue == GemmEpilogue::Bare || gemm_layout_forward(layout);
+    case GemmTile::PingPong128x128:
+      return epilogue == GemmEpilogue::Bare || (epilogue == GemmEpilogue::Program && gemm_layout_forward(layout));
     case GemmTile::PingPong64x256: return epilogue == GemmEpilogue::Program;
     case GemmTile::Auto: break;
   }

@@ -571,8 +571,8 @@ TEST(CodaGpt2, MlpBackwardChainWeightGradientAndLayerNormBackward) {
 }
 
 // The tile rule of the programs and the weight gradients (gemm_choose_tile; gemm_epilogue_of maps a program with two tile inputs
-// to GemmEpilogue::TwoTileInputs): the two-input LayerNorm backward and the long-K dgrads stay on the
-// cooperative tile, the narrow forward programs on ping-pong 128x128, the others go to ping-pong 64x256.
+// to GemmEpilogue::TwoTileInputs): the two-input LayerNorm backward and the short- and long-K programs go to the
+// cooperative tile, the other narrow forward programs to ping-pong 128x128, the rest to ping-pong 64x256.
 TEST(CodaTiles, ProgramsTakeTheTileOfTheirShapeAndTileInputs) {
   const auto ln_backward = prog::gpt2::ln_backward_program({}, {}, nullptr, 768, nullptr, nullptr, nullptr, {}, nullptr);
   const auto norm_backward = prog::llama::norm_backward_program({}, nullptr, 1, nullptr, 2048, nullptr, nullptr);
@@ -586,7 +586,12 @@ TEST(CodaTiles, ProgramsTakeTheTileOfTheirShapeAndTileInputs) {
   EXPECT_EQ(pick(GemmLayout::Dgrad, 16384, 2048, 128256, GemmEpilogue::Program), GemmTile::Cooperative128x256);
   EXPECT_EQ(pick(GemmLayout::Forward, 32768, 768, 3072, GemmEpilogue::Program), GemmTile::PingPong128x128);
   EXPECT_EQ(pick(GemmLayout::Forward, 16384, 2048, 8192, GemmEpilogue::Program), GemmTile::Cooperative128x256);
-  EXPECT_EQ(pick(GemmLayout::Forward, 32768, 50304, 768, GemmEpilogue::Program), GemmTile::PingPong64x256);
+  EXPECT_EQ(pick(GemmLayout::Forward, 16384, 3072, 2048, GemmEpilogue::Program), GemmTile::PingPong64x256);
+  EXPECT_EQ(pick(GemmLayout::Forward, 16384, 2048, 2048, GemmEpilogue::Program), GemmTile::PingPong128x128);
+  // d_model 768: the QKV, fc and head forwards and the proj dgrad (K = 768) on the cooperative tile.
+  EXPECT_EQ(pick(GemmLayout::Forward, 32768, 2304, 768, GemmEpilogue::Program), GemmTile::Cooperative128x256);
+  EXPECT_EQ(pick(GemmLayout::Forward, 32768, 50304, 768, GemmEpilogue::Program), GemmTile::Cooperative128x256);
+  EXPECT_EQ(pick(GemmLayout::Dgrad, 32768, 3072, 768, GemmEpilogue::Program), GemmTile::Cooperative128x256);
   EXPECT_EQ(pick(GemmLayout::Forward, 32768, 3072, 768, GemmEpilogue::Bare), GemmTile::PingPong128x128);
   // Weight gradients: ping-pong 128x128 for outputs under 2048 x 2048, cooperative from there on.
   EXPECT_EQ(pick(GemmLayout::Wgrad, 768, 3072, 32768, GemmEpilogue::Bare), GemmTile::PingPong128x128);
