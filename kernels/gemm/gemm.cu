@@ -173,7 +173,7 @@ std::string gemm_profile_label(GemmLayout layout, GemmTile tile, int M, int N, i
 // consumers finish their per-row work before they wait for their turn, gemm_kernel.cuh). The short-K branch is
 // chosen by joules, not time: at the power cap the step follows energy, and a gpt2-124m step (d = 768) with
 // every program on the cooperative tile spent 44.03 J against 44.99 J with these on ping-pong (H200, docs/PERFORMANCE.md):
-// the 64x256 tile streams 1.5x the cooperative tile's operand bytes per FLOP. The 64x256 tile has the
+// the 64x256 tile streams 1.7x the cooperative tile's operand bytes per FLOP. The 64x256 tile has the
 // cooperative tile's N width, so a program's row partial count (gemm_row_partials) is the same on either.
 std::vector<GemmTile> gemm_tiles_compiled(GemmLayout layout, GemmEpilogue epilogue) {
   std::vector<GemmTile> tiles;
