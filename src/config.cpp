@@ -160,6 +160,7 @@ void RunConfig::validate() const {
   require(fp8_history >= 1 && fp8_history <= 1024, "fp8_history must be in [1, 1024]");
   require(fp8_margin >= 0 && fp8_margin <= 16, "fp8_margin must be in [0, 16]");
   parse_fp8_linears(fp8_linears);
+  parse_fp8_scaling(fp8_scaling);
   require(!out.empty(), "out must not be empty");
   require(log_every >= 1, "log_every must be >= 1");
   require(val_every >= 0, "val_every must be >= 0 (0: never)");
@@ -171,7 +172,7 @@ void RunConfig::validate() const {
 
 std::optional<Fp8Recipe> RunConfig::fp8() const {
   if (precision != "fp8") return std::nullopt;
-  return Fp8Recipe{fp8_history, fp8_margin, parse_fp8_linears(fp8_linears)};
+  return Fp8Recipe{fp8_history, fp8_margin, parse_fp8_linears(fp8_linears), parse_fp8_scaling(fp8_scaling)};
 }
 
 void add_config_options(CLI::App& app, RunConfig& c) {
@@ -243,6 +244,8 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "fp8_history", c.fp8_history, "fp8: steps of amax history behind each scale");
   key("run", "fp8_margin", c.fp8_margin, "fp8: powers of two of headroom below the format's largest value");
   key("run", "fp8_linears", c.fp8_linears, "fp8: the block linears in FP8 (comma-separated: qkv, attn_proj, mlp_up, mlp_down)");
+  key("run", "fp8_scaling", c.fp8_scaling,
+      "fp8: tensor (delayed per-tensor scales) | block (a scale per 128-value block; CPU emulation only so far)");
   key("run", "deterministic", c.deterministic,
       "cuda: sums in a fixed order, so a seed gives bitwise the same run (no split-K, ordered attention dQ)");
   key("run", "out", c.out, "run directory (metrics, config, checkpoints)");

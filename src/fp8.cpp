@@ -96,6 +96,47 @@ std::string fp8_tensor_name(int index, int n_layer) {
   return "layer " + std::to_string(layer) + " " + fp8_linear_name(index % kFp8Linears) + " " + roles[index / per_role];
 }
 
+const char* fp8_scaling_name(Fp8Scaling scaling) { return scaling == Fp8Scaling::Tensor ? "tensor" : "block"; }
+
+Fp8Scaling parse_fp8_scaling(const std::string& name) {
+  for (Fp8Scaling scaling : {Fp8Scaling::Tensor, Fp8Scaling::Block})
+    if (name == fp8_scaling_name(scaling)) return scaling;
+  throw std::invalid_argument("fp8_scaling must be tensor or block, got \"" + name + "\"");
+}
+
+// The largest finite values of both formats are 0.875 2^e (448 = 0.875 2^9, 57344 = 0.875 2^16); with
+// amax = m 2^a, m in [0.5, 1), amax 2^k <= 0.875 2^e exactly when k <= e - a, one less where m > 0.875.
+float fp8_block_scale(float amax, Fp8Format format) {
+  if (!(amax > 0.0f)) return 1.0f;
+  int a = 0, e = 0;
+  const float m = std::frexp(amax, &a);
+  std::frexp(fp8_largest(format), &e);
+  const int k = std::clamp(e - a - (m > 0.875f ? 1 : 0), -126, 126);
+  return std::ldexp(1.0f, k);
+}
+
+bool fp8_block_copy(float* copy, const float* x, int rows, int cols, int block_rows, int block_cols,
+                    Fp8Format format) {
+  for (int r0 = 0; r0 < rows; r0 += block_rows)
+    for (int c0 = 0; c0 < cols; c0 += block_cols) {
+      const int r1 = std::min(rows, r0 + block_rows), c1 = std::min(cols, c0 + block_cols);
+      float amax = 0.0f;
+      for (int r = r0; r < r1; ++r)
+        for (int c = c0; c < c1; ++c) {
+          const float v = x[static_cast<size_t>(r) * cols + c];
+          if (!std::isfinite(v)) return false;
+          amax = std::max(amax, std::fabs(v));
+        }
+      const float s = fp8_block_scale(amax, format);
+      for (int r = r0; r < r1; ++r)
+        for (int c = c0; c < c1; ++c) {
+          const size_t i = static_cast<size_t>(r) * cols + c;
+          copy[i] = fp8_round(x[i] * s, format) / s;
+        }
+    }
+  return true;
+}
+
 void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, int n_layer) {
   if (state.empty()) return;
   if (!history)

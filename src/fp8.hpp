@@ -9,7 +9,9 @@
 // Delayed scaling: a tensor is stored as encode(x * scale) and read as decode(q) / scale; the scale comes
 // from the largest |x| seen over the last `history` steps (amax history), scale = largest_finite /
 // (amax * 2^margin), so this step's values are quantized with a scale known before they exist.
-// The FP8 training recipe (docs/FP8.md) runs the block linears in FP8; Fp8Recipe holds its two numbers,
+// Block scaling (fp8_scaling = "block"): one scale per block of 128 values along the K of the GEMM that
+// reads the copy, or per 128 x 128 tile of a weight; see fp8_block_copy.
+// The FP8 training recipe (docs/FP8.md) runs the block linears in FP8; Fp8Recipe holds its numbers,
 // Fp8ScalingState what a checkpoint keeps of it, and the fp8_tensor_* functions the one order of the
 // scaled tensors that the CPU reference, the GPU and the checkpoint share.
 #pragma once
@@ -29,15 +31,39 @@ float fp8_decode(uint8_t code, Fp8Format format);
 // fp8_decode(fp8_encode(x)) without the code, by rounding x's float bits: the emulation's inner loop.
 float fp8_round(float x, Fp8Format format);
 
-// precision = "fp8": delayed scaling over `history` steps with `margin` powers of two of headroom, on the
-// block linears whose bits are set in `linears` (bit i: linear i in fp8_linear_name's numbering; the others
-// stay bf16, their scales unused).
+// Tensor: per-tensor delayed scaling (Fp8DelayedScale). Block: per-block current scaling (fp8_block_copy).
+enum class Fp8Scaling { Tensor, Block };
+const char* fp8_scaling_name(Fp8Scaling scaling);  // "tensor", "block"
+Fp8Scaling parse_fp8_scaling(const std::string& name);  // std::invalid_argument naming both otherwise
+
+// precision = "fp8": on the block linears whose bits are set in `linears` (bit i: linear i in
+// fp8_linear_name's numbering; the others stay bf16, their scales unused), either delayed per-tensor scaling
+// over `history` steps with `margin` powers of two of headroom, or block scaling (history and margin unused).
 struct Fp8Recipe {
   int history = 16;
   int margin = 0;
   unsigned linears = 0xF;
+  Fp8Scaling scaling = Fp8Scaling::Tensor;
   bool covers(int linear) const { return linear >= 0 && linear < 32 && ((linears >> linear) & 1u); }
+  bool block() const { return scaling == Fp8Scaling::Block; }
 };
+
+// Block scaling. Each copy of a tensor is quantized in blocks of kFp8Block values along the K of the GEMM that
+// reads it: an input or output gradient in 1 x 128 blocks of its rows for the forward or dgrad (K = its
+// columns) and in 128 x 1 blocks of its columns for the weight gradient (K = the tokens); a weight in
+// 128 x 128 tiles, which serve the forward and, transposed, the dgrad alike. A block's scale comes from its
+// own amax in the same pass (current scaling: no history, no calibration step) and is a power of two, so
+// x s is exact and the GPU's copy is bit-identical to this one; every role is e4m3 (the block scale leaves no
+// use for e5m2's range, and gradients keep a third mantissa bit).
+constexpr int kFp8Block = 128;
+// 2^k for the largest k with amax 2^k <= the format's largest finite value (k clamped to [-126, 126]; 1 for
+// an amax of 0).
+float fp8_block_scale(float amax, Fp8Format format);
+// copy = the emulated FP8 copy of the row-major [rows, cols] matrix x in blocks of block_rows x block_cols
+// (partial at the tails): decode(encode(x s)) / s with s the fp8_block_scale of the block's amax. False (the
+// copy then unspecified) where a block holds a value that is not finite.
+bool fp8_block_copy(float* copy, const float* x, int rows, int cols, int block_rows, int block_cols,
+                    Fp8Format format);
 
 // The scaled tensors of a model of n_layer blocks: for each of the four block linears (linear 0 qkv,
 // 1 attention output, 2 MLP up, 3 MLP down) its input (e4m3), its weight (e4m3) and its output gradient

@@ -86,7 +86,7 @@ static void norm_backward(const ModelConfig& c, float* dx, float* dw, float* db,
 
 void RefModel::enable_fp8(const Fp8Recipe& recipe) {
   fp8_scales_.clear();
-  for (int t = 0; t < fp8_tensor_count(config.n_layer); ++t)
+  for (int t = 0; t < fp8_tensor_count(config.n_layer) && !recipe.block(); ++t)
     fp8_scales_.emplace_back(fp8_tensor_format(t, config.n_layer), recipe.history, recipe.margin);
   fp8_copies_.assign(kFp8Linears * config.n_layer, {});
   fp8_recipe_ = recipe;
@@ -112,6 +112,8 @@ Fp8ScalingState RefModel::fp8_state() const {
 }
 
 void RefModel::load_fp8_state(const Fp8ScalingState& state) {
+  if (fp8_recipe_.block() && !state.empty())
+    throw std::invalid_argument("fp8 scaling state of delayed scaling given to a run with fp8_scaling = block");
   check_fp8_state(state, fp8_scales_.empty() ? std::nullopt : std::optional<int>(fp8_recipe_.history), config.n_layer);
   if (state.empty()) return;
   for (size_t t = 0; t < fp8_scales_.size(); ++t) fp8_scales_[t].restore(state.amax.data() + t * state.history);
@@ -133,10 +135,25 @@ std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8Role role, in
   return copy;
 }
 
+std::vector<float> RefModel::fp8_block_copy(const float* x, int rows, int cols, int block_rows, int block_cols,
+                                            Fp8Role role, int layer, int linear) const {
+  std::vector<float> copy(static_cast<size_t>(rows) * cols);
+  if (!coda::fp8_block_copy(copy.data(), x, rows, cols, block_rows, block_cols, Fp8Format::E4M3))
+    throw std::runtime_error("fp8 block scaling: a value that is not finite in " +
+                             fp8_tensor_name(fp8_tensor_index(role, layer, linear, config.n_layer), config.n_layer));
+  return copy;
+}
+
 void RefModel::linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC,
                               int OC) {
   if (!fp8_recipe_.covers(linear)) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
   Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
+  if (fp8_recipe_.block()) {
+    q.x = fp8_block_copy(x, N, IC, 1, kFp8Block, Fp8Role::Input, layer, linear);
+    q.x_t = fp8_block_copy(x, N, IC, kFp8Block, 1, Fp8Role::Input, layer, linear);
+    q.w = fp8_block_copy(param(w), OC, IC, kFp8Block, kFp8Block, Fp8Role::Weight, layer, linear);
+    return matmul_forward(y, q.x.data(), q.w.data(), param(b), N, IC, OC);
+  }
   q.x = fp8_copy(x, static_cast<size_t>(N) * IC, Fp8Role::Input, layer, linear);
   q.w = fp8_copy(param(w), static_cast<size_t>(OC) * IC, Fp8Role::Weight, layer, linear);
   matmul_forward(y, q.x.data(), q.w.data(), param(b), N, IC, OC);
@@ -146,8 +163,15 @@ void RefModel::linear_backward(int layer, int linear, float* dx, const float* dy
                                int N, int IC, int OC) {
   if (!fp8_recipe_.covers(linear)) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
   const Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
-  const std::vector<float> dyq = fp8_copy(dy, static_cast<size_t>(N) * OC, Fp8Role::OutputGrad, layer, linear);
-  matmul_backward(dx, grad(w), nullptr, dyq.data(), q.x.data(), q.w.data(), N, IC, OC);
+  if (fp8_recipe_.block()) {
+    const std::vector<float> dy_rows = fp8_block_copy(dy, N, OC, 1, kFp8Block, Fp8Role::OutputGrad, layer, linear);
+    const std::vector<float> dy_cols = fp8_block_copy(dy, N, OC, kFp8Block, 1, Fp8Role::OutputGrad, layer, linear);
+    matmul_backward(dx, nullptr, nullptr, dy_rows.data(), nullptr, q.w.data(), N, IC, OC);
+    matmul_backward(nullptr, grad(w), nullptr, dy_cols.data(), q.x_t.data(), q.w.data(), N, IC, OC);
+  } else {
+    const std::vector<float> dyq = fp8_copy(dy, static_cast<size_t>(N) * OC, Fp8Role::OutputGrad, layer, linear);
+    matmul_backward(dx, grad(w), nullptr, dyq.data(), q.x.data(), q.w.data(), N, IC, OC);
+  }
   if (b != kAbsent) matmul_backward(nullptr, nullptr, grad(b), dy, x, param(w), N, IC, OC);
 }
 

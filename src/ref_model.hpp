@@ -71,6 +71,11 @@ class RefModel {
   // first step has closed there is no history: that step computes in fp32 and only records (calibration).
   // The LM head, norms, attention and loss stay fp32. fp8_end_step(step) closes optimizer step `step`
   // (0-based, after its micro-batches): every scale is updated for the next one.
+  // With block scaling (Fp8Recipe::block) every copy is e4m3 with a scale per block (fp8_block_copy): the
+  // forward reads the input in 1 x 128 blocks and the weight in 128 x 128 tiles, the dgrad the output
+  // gradient in 1 x 128 blocks and the same weight copy, the wgrad the output gradient and the input in
+  // 128 x 1 blocks (K = the tokens). No history, no calibration step, no state; a non-finite value in a
+  // copied tensor is a std::runtime_error naming it.
   void enable_fp8(const Fp8Recipe& recipe);
   void fp8_end_step(int step);
   // The scaling state between steps (empty before the first step closes), and back (check_fp8_state).
@@ -95,11 +100,14 @@ class RefModel {
   // x times the scale of its tensor through the role's format and back (x itself before calibration);
   // records max |x| while recording.
   std::vector<float> fp8_copy(const float* x, size_t n, Fp8Role role, int layer, int linear);
+  // Block scaling: the copy of the [rows, cols] tensor `role` of a linear in blocks of block_rows x block_cols.
+  std::vector<float> fp8_block_copy(const float* x, int rows, int cols, int block_rows, int block_cols, Fp8Role role,
+                                    int layer, int linear) const;
   Fp8DelayedScale& fp8_scale(Fp8Role role, int layer, int linear);
 
   std::vector<Fp8DelayedScale> fp8_scales_;  // fp8_tensor_index order when FP8 is on, empty otherwise
-  struct Fp8Copies {                         // the forward's FP8 copies of a linear's input and weight
-    std::vector<float> x, w;
+  struct Fp8Copies {  // the forward's FP8 copies of a linear's input and weight; block scaling: x_t, the
+    std::vector<float> x, w, x_t;  // input's copy in 128 x 1 blocks for the weight gradient
   };
   std::vector<Fp8Copies> fp8_copies_;        // [n_layer * 4]
   Fp8Recipe fp8_recipe_{0, 0, 0};            // no linear in FP8 until enable_fp8

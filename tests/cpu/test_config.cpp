@@ -83,6 +83,7 @@ coda::RunConfig random_config(uint64_t seed) {
   c.fp8_history = 1 + static_cast<int>(rng.below(64));
   c.fp8_margin = static_cast<int>(rng.below(4));
   c.fp8_linears = rng.below(2) ? "mlp_down,qkv" : "attn_proj";
+  c.fp8_scaling = rng.below(2) ? "block" : "tensor";
   c.deterministic = true;
   c.out = "runs/x y";
   c.seed = rng.next_u64();
@@ -129,6 +130,7 @@ void expect_same(const coda::RunConfig& a, const coda::RunConfig& b) {
   EXPECT_EQ(a.fp8_history, b.fp8_history);
   EXPECT_EQ(a.fp8_margin, b.fp8_margin);
   EXPECT_EQ(a.fp8_linears, b.fp8_linears);
+  EXPECT_EQ(a.fp8_scaling, b.fp8_scaling);
   EXPECT_EQ(a.deterministic, b.deterministic);
   EXPECT_EQ(a.out, b.out);
   EXPECT_EQ(a.seed, b.seed);
@@ -337,6 +339,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"Fp8LinearUnknown", "", "--fp8_linears qkv,mlp", "fp8_linears = \"qkv,mlp\": \"mlp\" is not a block linear"},
         BadInput{"Fp8LinearTwice", "[run]\nfp8_linears = \"mlp_up,mlp_up\"\n", "", "\"mlp_up\" is listed twice"},
         BadInput{"Fp8LinearsEmpty", "", "--fp8_linears ''", "an empty name"},
+        BadInput{"Fp8ScalingUnknown", "[run]\nfp8_scaling = \"row\"\n", "", "fp8_scaling must be tensor or block, got \"row\""},
         BadInput{"BadDevice", "", "--device tpu", "device"},
         BadInput{"FileErrorsNameTheFile", "[model]\nbogus = 1\n", "", "bad.toml"},
         BadInput{"MissingConfigFile", nullptr, "", "bad.toml: file not found"},

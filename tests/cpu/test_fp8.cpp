@@ -1,15 +1,17 @@
 // The host FP8 codecs against CUDA's own host conversions (cuda_fp8.h, satfinite) and against a brute-force
 // nearest-code search, and delayed scaling: the scale follows the amax history, a non-finite amax is
-// refused with the tensor and the step.
+// refused with the tensor and the step; block scaling: each block's power-of-two scale and copy.
 #include <gtest/gtest.h>
 
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "fp8.hpp"
 #include "rng.hpp"
@@ -166,6 +168,75 @@ TEST(Fp8, TensorIndicesCoverEveryTensorOnce) {
   EXPECT_EQ(coda::fp8_role_format(coda::Fp8Role::Weight), Fp8Format::E4M3);
   EXPECT_EQ(coda::fp8_role_format(coda::Fp8Role::OutputGrad), Fp8Format::E5M2);
   EXPECT_THROW(coda::fp8_tensor_name(coda::fp8_tensor_count(n_layer), n_layer), std::out_of_range);
+}
+
+// The block scale is the largest power of two that keeps the block's amax inside the format: exactly at the
+// largest finite value it is 1, a hair above it 1/2, at half of it 2; amax 0 takes 1.
+TEST(Fp8, BlockScaleIsTheLargestPowerOfTwoThatFits) {
+  for (Fp8Format format : kFormats) {
+    const float largest = coda::fp8_largest(format);
+    EXPECT_EQ(coda::fp8_block_scale(largest, format), 1.0f);
+    EXPECT_EQ(coda::fp8_block_scale(std::nextafter(largest, INFINITY), format), 0.5f);
+    EXPECT_EQ(coda::fp8_block_scale(largest / 2, format), 2.0f);
+    EXPECT_EQ(coda::fp8_block_scale(0.0f, format), 1.0f);
+    coda::Rng rng(7);
+    for (int i = 0; i < 1000; ++i) {
+      const float amax = std::ldexp(static_cast<float>(0.5 + 0.5 * rng.uniform()), static_cast<int>(rng.below(80)) - 40);
+      const float s = coda::fp8_block_scale(amax, format);
+      int exponent = 0;
+      EXPECT_EQ(std::frexp(s, &exponent), 0.5f) << "a power of two";
+      EXPECT_LE(amax * s, largest) << amax;
+      EXPECT_GT(amax * s * 2, largest) << amax;
+    }
+  }
+}
+
+// Each block of the copy is quantized with the scale of its own amax (tails partial): a block a thousand
+// times smaller than its neighbour keeps e4m3's relative precision, where one scale for the whole tensor
+// would flush it to zero. Rows and columns blocks alike; a non-finite value is refused.
+TEST(Fp8, BlockCopyQuantizesEachBlockWithItsOwnScale) {
+  const int rows = 5, cols = 200;
+  std::vector<float> x(static_cast<size_t>(rows) * cols), copy(x.size());
+  coda::Rng rng(3);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c)
+      x[static_cast<size_t>(r) * cols + c] = static_cast<float>(rng.uniform() - 0.5) * (c < 128 ? 1e-3f : 1e3f);
+  const auto expect_blocks = [&](int block_rows, int block_cols) {
+    ASSERT_TRUE(coda::fp8_block_copy(copy.data(), x.data(), rows, cols, block_rows, block_cols, Fp8Format::E4M3));
+    for (int r0 = 0; r0 < rows; r0 += block_rows)
+      for (int c0 = 0; c0 < cols; c0 += block_cols) {
+        float amax = 0.0f;
+        for (int r = r0; r < std::min(rows, r0 + block_rows); ++r)
+          for (int c = c0; c < std::min(cols, c0 + block_cols); ++c)
+            amax = std::max(amax, std::fabs(x[static_cast<size_t>(r) * cols + c]));
+        const float s = coda::fp8_block_scale(amax, Fp8Format::E4M3);
+        for (int r = r0; r < std::min(rows, r0 + block_rows); ++r)
+          for (int c = c0; c < std::min(cols, c0 + block_cols); ++c) {
+            const size_t i = static_cast<size_t>(r) * cols + c;
+            ASSERT_EQ(copy[i], coda::fp8_decode(coda::fp8_encode(x[i] * s, Fp8Format::E4M3), Fp8Format::E4M3) / s)
+                << "block " << r0 << "," << c0 << " value " << r << "," << c;
+            if (std::fabs(x[i]) > amax / 8) {
+              EXPECT_NEAR(copy[i], x[i], std::fabs(x[i]) / 16) << r << "," << c;
+            }
+          }
+      }
+  };
+  expect_blocks(1, coda::kFp8Block);  // 1 x 128: two blocks per row, the second of 72 columns
+  expect_blocks(coda::kFp8Block, 1);  // 128 x 1: one partial block per column
+  expect_blocks(coda::kFp8Block, coda::kFp8Block);
+  // The small columns under one scale for the whole tensor: the amax of the large ones takes them below e4m3's
+  // smallest subnormal.
+  const float tensor_scale = coda::fp8_block_scale(500.0f, Fp8Format::E4M3);
+  EXPECT_EQ(coda::fp8_round(x[3] * tensor_scale, Fp8Format::E4M3) / tensor_scale, 0.0f);
+  ASSERT_TRUE(coda::fp8_block_copy(copy.data(), x.data(), rows, cols, 1, coda::kFp8Block, Fp8Format::E4M3));
+  EXPECT_NE(copy[3], 0.0f);
+  for (float bad : {INFINITY, std::nanf("")}) {
+    x[7] = bad;
+    EXPECT_FALSE(coda::fp8_block_copy(copy.data(), x.data(), rows, cols, 1, coda::kFp8Block, Fp8Format::E4M3));
+  }
+  EXPECT_EQ(coda::parse_fp8_scaling("block"), coda::Fp8Scaling::Block);
+  EXPECT_EQ(coda::parse_fp8_scaling("tensor"), coda::Fp8Scaling::Tensor);
+  EXPECT_THROW(coda::parse_fp8_scaling("row"), std::invalid_argument);
 }
 
 }  // namespace

@@ -396,6 +396,72 @@ TEST(RefModel, Fp8EmulationTracksFp32Training) {
   }
 }
 
+// Block scaling (Fp8Recipe::block): FP8 from the first step on (no calibration, so the first loss already
+// differs from fp32's), and the run ends within 0.5% of the fp32 loss, as the delayed recipe does.
+TEST(RefModel, Fp8BlockScalingTracksFp32Training) {
+  for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
+    const int B = 2, T = 7, steps = 15;
+    Rng rng(31);
+    const Batch batch = random_batch(B, T, config.vocab_size, rng);
+    std::vector<std::vector<float>> losses(2);
+    for (int fp8 = 0; fp8 < 2; ++fp8) {
+      ref::RefModel model(config, B, T);
+      model.init(31);
+      if (fp8) model.enable_fp8(coda::Fp8Recipe{16, 0, 0xF, coda::Fp8Scaling::Block});
+      std::vector<float> m(model.layout.total, 0.0f), v(model.layout.total, 0.0f);
+      coda::AdamWHyper hyper;
+      hyper.lr = 2e-3f;
+      for (int step = 1; step <= steps; ++step) {
+        model.zero_grad();
+        losses[fp8].push_back(model.forward(batch.tokens.data(), batch.targets.data(), B, T, true));
+        model.backward(1.0f);
+        if (fp8) model.fp8_end_step(step - 1);
+        coda::adamw_update(model.layout, model.params.data(), model.grads.data(), m.data(), v.data(), hyper, step,
+                           1.0f);
+      }
+      if (fp8) {
+        EXPECT_TRUE(model.fp8_state().empty()) << "block scaling keeps no state between steps";
+      }
+    }
+    const std::string name = arch_name(config.arch);
+    EXPECT_NE(losses[1][0], losses[0][0]) << name << ": block scaling quantizes from the first step";
+    EXPECT_LT(losses[0].back(), losses[0].front() - 1.0f) << name;
+    EXPECT_NEAR(losses[1].back(), losses[0].back(), 0.005 * losses[0].back()) << name;
+  }
+}
+
+// Block scaling takes no delayed-scaling state (a checkpoint of a tensor-scaled run is refused with the
+// reason), and a value that is not finite in a copied tensor stops the forward with the tensor's name.
+TEST(RefModel, Fp8BlockScalingRefusesDelayedStateAndNonFiniteValues) {
+  const ModelConfig config = llama_config();
+  const int B = 2, T = 7;
+  Rng rng(9);
+  const Batch batch = random_batch(B, T, config.vocab_size, rng);
+  ref::RefModel tensor_scaled(config, B, T);
+  tensor_scaled.init(9);
+  tensor_scaled.enable_fp8(coda::Fp8Recipe{4, 0});
+  tensor_scaled.forward(batch.tokens.data(), batch.targets.data(), B, T, true);
+  tensor_scaled.backward(1.0f);
+  tensor_scaled.fp8_end_step(0);
+  ref::RefModel block(config, B, T);
+  block.init(9);
+  block.enable_fp8(coda::Fp8Recipe{4, 0, 0xF, coda::Fp8Scaling::Block});
+  try {
+    block.load_fp8_state(tensor_scaled.fp8_state());
+    ADD_FAILURE() << "a delayed-scaling state was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_scaling = block"), std::string::npos) << e.what();
+  }
+  block.load_fp8_state({});
+  block.params[block.layout.layers[0].norm1_w] = std::nanf("");
+  try {
+    block.forward(batch.tokens.data(), batch.targets.data(), B, T, true);
+    ADD_FAILURE() << "a NaN reached the FP8 copies unreported";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer 0 qkv input"), std::string::npos) << e.what();
+  }
+}
+
 // An evaluation forward quantizes with the scales as they are and records nothing: the state after it is
 // the state before, and the scaling state read back and loaded into a fresh model continues identically.
 TEST(RefModel, Fp8EvaluationLeavesTheScalesAndTheStateRoundTrips) {
