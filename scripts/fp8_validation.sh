@@ -13,13 +13,14 @@
 #   TRAIN_FLAGS="--batch_size 4"     more flags for every run (both precisions alike)
 #   FP8_LINEARS=qkv,attn_proj        the block linears of the fp8 runs (default all four); the runs go to
 #                                    NAME-fp8-qkv,attn_proj and are compared with the same bf16 runs
+#   FP8_SCALING=block                the fp8 runs' fp8_scaling (default tensor); the runs go to NAME-fp8-block
 # Needs a GPU for the big configs (a 1000-step run on one H100: about 1.2 min for gpt2-124m, 2.2 min for
 # llama3.2-1b at --batch_size 4). The summary passes when fp8's final validation loss is within 1% of bf16's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ $# -lt 2 ]]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 train=$1 val=$2 steps=${3:-1000}
@@ -28,7 +29,8 @@ out=${RUNS:-runs/fp8-validation}
 models=${MODELS:-gpt2-124m llama3.2-1b}
 read -r -a extra <<<"${TRAIN_FLAGS:-}"
 linears=${FP8_LINEARS:-}
-fp8_run=fp8${linears:+-$linears}
+scaling=${FP8_SCALING:-tensor}
+fp8_run=fp8$([[ $scaling == tensor ]] || echo "-$scaling")${linears:+-$linears}
 every=$(( steps / 10 > 0 ? steps / 10 : 1 ))
 
 for model in $models; do
@@ -36,6 +38,7 @@ for model in $models; do
     run="$out/$model-$([[ $precision == fp8 ]] && echo "$fp8_run" || echo bf16)"
     subset=()
     [[ $precision == fp8 && -n $linears ]] && subset=(--fp8_linears "$linears")
+    [[ $precision == fp8 ]] && subset+=(--fp8_scaling "$scaling")
     if [[ -f "$run/step_$steps/trainer_state.json" ]]; then
       echo "== $run: done already"
       continue
@@ -49,7 +52,7 @@ done
 
 plots=()
 for model in $models; do plots+=("$out/$model-bf16" "$out/$model-$fp8_run"); done
-plot="$out/fp8_validation${linears:+-$linears}.png"
+plot="$out/${fp8_run/fp8/fp8_validation}.png"
 python3 scripts/plot_metrics.py "${plots[@]}" -o "$plot"
 python3 - "$out" "$fp8_run" "$plot" $models <<'PY'
 import json, sys

@@ -245,7 +245,7 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "fp8_margin", c.fp8_margin, "fp8: powers of two of headroom below the format's largest value");
   key("run", "fp8_linears", c.fp8_linears, "fp8: the block linears in FP8 (comma-separated: qkv, attn_proj, mlp_up, mlp_down)");
   key("run", "fp8_scaling", c.fp8_scaling,
-      "fp8: tensor (delayed per-tensor scales) | block (a scale per 128-value block; CPU emulation only so far)");
+      "fp8: tensor (delayed per-tensor scales) | block (a scale per 128-value block; widths and B*T multiples of 128)");
   key("run", "deterministic", c.deterministic,
       "cuda: sums in a fixed order, so a seed gives bitwise the same run (no split-K, ordered attention dQ)");
   key("run", "out", c.out, "run directory (metrics, config, checkpoints)");

@@ -193,9 +193,6 @@ std::unique_ptr<Backend> make_cuda_backend(const ModelConfig& config, const std:
                                            int max_seq_len, const CudaBackendOptions& options) {
   const std::optional<Fp8Recipe>& fp8 = options.fp8;
   std::string mode = kernels;
-  if (fp8 && fp8->block())
-    throw std::invalid_argument(
-        "fp8_scaling = block runs only in the CPU emulation so far (device = cpu; docs/FP8.md): use fp8_scaling = tensor");
   if (fp8 && kernels == "coda")
     throw std::invalid_argument(
         "precision = fp8 runs in the unfused mode (the coda programs are bf16): use kernels = unfused or auto");

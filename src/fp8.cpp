@@ -104,15 +104,8 @@ Fp8Scaling parse_fp8_scaling(const std::string& name) {
   throw std::invalid_argument("fp8_scaling must be tensor or block, got \"" + name + "\"");
 }
 
-// The largest finite values of both formats are 0.875 2^e (448 = 0.875 2^9, 57344 = 0.875 2^16); with
-// amax = m 2^a, m in [0.5, 1), amax 2^k <= 0.875 2^e exactly when k <= e - a, one less where m > 0.875.
 float fp8_block_scale(float amax, Fp8Format format) {
-  if (!(amax > 0.0f)) return 1.0f;
-  int a = 0, e = 0;
-  const float m = std::frexp(amax, &a);
-  std::frexp(fp8_largest(format), &e);
-  const int k = std::clamp(e - a - (m > 0.875f ? 1 : 0), -126, 126);
-  return std::ldexp(1.0f, k);
+  return fp8_power_of_two(fp8_block_scale_exponent(amax, format));
 }
 
 bool fp8_block_copy(float* copy, const float* x, int rows, int cols, int block_rows, int block_cols,

@@ -17,6 +17,12 @@
 // micro-batch for llama3.2-1b).
 // Shapes: training needs N = B*T a multiple of 16 (the weight gradient's K); every IC and OC of the model a
 // multiple of 16 (checked at construction). An evaluation forward takes any N.
+// Block scaling (Fp8Recipe::block, fp8_scaling = "block"): every copy e4m3 with a factor per block
+// (unfused::quantize_fp8_blocks): x in 1 x 128 row blocks (xq) and 128 x 1 column blocks (xqT), W in 128 x 128
+// tiles (wq and wqT share them), dy likewise in both; the GEMMs take the factors as cuBLASLt's block scales.
+// No history, no calibration step, no state; a tile with a value that is not finite flags its tensor, and
+// close_step stops the run naming it. Widths and training N multiples of 128; an evaluation forward whose
+// N is not runs that linear in bf16.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -76,17 +82,26 @@ class Fp8Linears {
   float* history_ = nullptr;       // [count, history]
   float* amax_ = nullptr;          // [count], this step's, gathered by the quantize calls
   float* eval_amax_ = nullptr;     // [count], what evaluation forwards record into (never read)
-  unsigned int* bad_ = nullptr;    // [1], fp8_update_scales's first non-finite tensor + 1
+  unsigned int* bad_ = nullptr;    // [1], fp8_update_scales's first non-finite tensor + 1; block scaling: the
+                                   // float bits of the largest flagged tensor + 1 (a float, for all_reduce_max)
   unsigned int* host_bad_ = nullptr;  // pinned [1]
   struct Linear {
     uint8_t* wq = nullptr;   // [OC, IC]
     uint8_t* wqT = nullptr;  // [IC, OC]
     uint8_t* xqT = nullptr;  // [IC, N], kept from the forward for the weight gradient
+    float* wq_dequant = nullptr;   // block scaling: [OC / 128, IC / 128]
+    float* wqT_dequant = nullptr;  // block scaling: [IC / 128, OC / 128]
+    float* xqT_dequant = nullptr;  // block scaling: [IC, N / 128]
   };
+  void forward_blocks(bf16* y, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC, bool training);
+  void backward_blocks(bf16* dx, const bf16* dy, int layer, int linear, size_t w, int N, int IC, int OC);
   std::vector<Linear> linears_;  // [n_layer * 4]
   uint8_t* xq_ = nullptr;        // scratch [N, max IC]
   uint8_t* dyq_ = nullptr;       // scratch [N, max OC]
   uint8_t* dyqT_ = nullptr;      // scratch [max OC, N]
+  float* xq_dequant_ = nullptr;    // block scaling, scratch [N, max IC / 128]
+  float* dyq_dequant_ = nullptr;   // block scaling, scratch [N, max OC / 128]
+  float* dyqT_dequant_ = nullptr;  // block scaling, scratch [max OC, N / 128]
 };
 
 }  // namespace coda

@@ -49,7 +49,7 @@ CublasLt::~CublasLt() {
 const CublasLt::Plan& CublasLt::plan(const Key& key) {
   auto found = plans_.find(key);
   if (found != plans_.end()) return *found->second;
-  const auto [M, N, K, op_a, op_b, d_type, a_type, b_type] = key;
+  const auto [M, N, K, op_a, op_b, d_type, a_type, b_type, a_scales, b_scales] = key;
   // Column-major view: D^T [N, M] = op(B)^T [N, K] * op(A)^T [K, M]; cuBLAS's first operand is our B.
   auto* p = new Plan;
   const cublasOperation_t trans_first = op_b == static_cast<int>(Op::T) ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -70,6 +70,21 @@ const CublasLt::Plan& CublasLt::plan(const Key& key) {
     // factors must be, until a run sets the operands' own), so the heuristic sees the descriptor the runs use.
     for (const auto attribute : {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER})
       CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, attribute, &workspace_, sizeof(workspace_)));
+    // cuBLAS's A is our B and its B our A. A K-major row of ours is a column of cuBLAS's operand, so our
+    // [rows, K / 128] factors are its [K / 128, rows] column-major ones.
+    const auto mode = [](int scales) -> int32_t {
+      switch (static_cast<Fp8Scales>(scales)) {
+        case Fp8Scales::Rows128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        case Fp8Scales::Tiles128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+        case Fp8Scales::Tensor: break;
+      }
+      return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    };
+    const int32_t first_mode = mode(b_scales), second_mode = mode(a_scales);
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &first_mode,
+                                                sizeof(first_mode)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &second_mode,
+                                                sizeof(second_mode)));
   }
   cublasLtMatmulPreference_t preference;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
@@ -92,7 +107,8 @@ const CublasLt::Plan& CublasLt::plan(const Key& key) {
 void CublasLt::run(void* D, cudaDataType_t d_type, const Operand& A, const Operand& B, int M, int N, int K,
                    bool accumulate, cudaStream_t stream) {
   const Plan& p = plan(Key{M, N, K, static_cast<int>(A.op), static_cast<int>(B.op), static_cast<int>(d_type),
-                           static_cast<int>(A.type), static_cast<int>(B.type)});
+                           static_cast<int>(A.type), static_cast<int>(B.type), static_cast<int>(A.scales),
+                           static_cast<int>(B.scales)});
   if (A.dequant != nullptr) {  // cuBLAS's A is our B (the operands are swapped, above)
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &B.dequant,
                                                 sizeof(B.dequant)));
@@ -128,7 +144,7 @@ cudaDataType_t fp8_type(Fp8Format format) { return format == Fp8Format::E4M3 ? C
 template <typename OutT>
 void CublasLt::gemm_fp8(OutT* D, const uint8_t* A, Fp8Format a_format, const float* a_dequant, const uint8_t* B,
                         Fp8Format b_format, const float* b_dequant, int M, int N, int K, bool accumulate,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, Fp8Scales a_scales, Fp8Scales b_scales) {
   if (a_format == Fp8Format::E5M2 && b_format == Fp8Format::E5M2)
     throw std::invalid_argument("cuBLASLt FP8: e5m2 x e5m2 is not a Hopper format pair (one operand must be e4m3)");
   if (a_dequant == nullptr || b_dequant == nullptr)
@@ -137,14 +153,17 @@ void CublasLt::gemm_fp8(OutT* D, const uint8_t* A, Fp8Format a_format, const flo
   if (reinterpret_cast<uintptr_t>(a_dequant) % 16 != 0 || reinterpret_cast<uintptr_t>(b_dequant) % 16 != 0)
     throw std::invalid_argument("cuBLASLt FP8: the dequantization factors must be 16-byte aligned (cublasLtMatmul "
                                 "refuses others as not supported)");
+  if ((a_scales != Fp8Scales::Tensor || b_scales != Fp8Scales::Tensor) && (M % 128 != 0 || N % 128 != 0 || K % 128 != 0))
+    throw std::invalid_argument("cuBLASLt FP8 with block scales: M=" + std::to_string(M) + ", N=" +
+                                std::to_string(N) + " and K=" + std::to_string(K) + " must be multiples of 128");
   const cudaDataType_t d_type = std::is_same_v<OutT, float> ? CUDA_R_32F : CUDA_R_16BF;
-  run(D, d_type, {A, Op::N, fp8_type(a_format), a_dequant}, {B, Op::T, fp8_type(b_format), b_dequant}, M, N, K,
-      accumulate, stream);
+  run(D, d_type, {A, Op::N, fp8_type(a_format), a_dequant, a_scales}, {B, Op::T, fp8_type(b_format), b_dequant, b_scales},
+      M, N, K, accumulate, stream);
 }
 template void CublasLt::gemm_fp8<__nv_bfloat16>(__nv_bfloat16*, const uint8_t*, Fp8Format, const float*,
                                                 const uint8_t*, Fp8Format, const float*, int, int, int, bool,
-                                                cudaStream_t);
+                                                cudaStream_t, Fp8Scales, Fp8Scales);
 template void CublasLt::gemm_fp8<float>(float*, const uint8_t*, Fp8Format, const float*, const uint8_t*, Fp8Format,
-                                        const float*, int, int, int, bool, cudaStream_t);
+                                        const float*, int, int, int, bool, cudaStream_t, Fp8Scales, Fp8Scales);
 
 }  // namespace coda

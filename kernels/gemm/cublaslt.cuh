@@ -28,6 +28,12 @@ namespace coda {
 
 enum class Op { N, T };
 
+// How an FP8 operand's dequantization factors cover it: one for the tensor (a 16-byte aligned float), one
+// per 1 x 128 block of each row along K ([rows, K / 128] row-major), or one per 128 x 128 tile ([rows / 128,
+// K / 128] row-major). The block modes are cuBLASLt's VEC128_32F and BLK128x128_32F (Hopper, cuBLAS >= 12.9)
+// and need M, N and K multiples of 128.
+enum class Fp8Scales { Tensor, Rows128, Tiles128 };
+
 class CublasLt {
  public:
   CublasLt();
@@ -40,10 +46,11 @@ class CublasLt {
   void gemm(float* D, const __nv_bfloat16* A, Op op_a, const __nv_bfloat16* B, Op op_b, int M, int N, int K,
             bool accumulate, cudaStream_t stream);
   // D[M, N] (bf16 or fp32) = a_dequant b_dequant (A[M, K] B[N, K]^T) (+ D), A and B FP8 of the given formats;
-  // each factor 16-byte aligned.
+  // each factor array 16-byte aligned, laid out as its Fp8Scales says.
   template <typename OutT>
   void gemm_fp8(OutT* D, const uint8_t* A, Fp8Format a_format, const float* a_dequant, const uint8_t* B,
-                Fp8Format b_format, const float* b_dequant, int M, int N, int K, bool accumulate, cudaStream_t stream);
+                Fp8Format b_format, const float* b_dequant, int M, int N, int K, bool accumulate, cudaStream_t stream,
+                Fp8Scales a_scales = Fp8Scales::Tensor, Fp8Scales b_scales = Fp8Scales::Tensor);
 
  private:
   struct Plan;
@@ -51,9 +58,11 @@ class CublasLt {
     const void* data;
     Op op;
     cudaDataType_t type;
-    const float* dequant;  // FP8 only: its factor on the device
+    const float* dequant;  // FP8 only: its factors on the device
+    Fp8Scales scales = Fp8Scales::Tensor;
   };
-  using Key = std::tuple<int, int, int, int, int, int, int, int>;  // M, N, K, op_a, op_b, D, A, B types
+  using Key = std::tuple<int, int, int, int, int, int, int, int, int, int>;  // M, N, K, op_a, op_b, D, A, B types,
+                                                                            // A, B Fp8Scales
   void run(void* D, cudaDataType_t d_type, const Operand& A, const Operand& B, int M, int N, int K, bool accumulate,
            cudaStream_t stream);
   const Plan& plan(const Key& key);

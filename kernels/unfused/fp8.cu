@@ -7,6 +7,11 @@
 // reads do not all hit one bank), read as 16-byte row packets, written as 8-byte column packets of qt, and
 // as row packets of q from the same read when both copies are wanted.
 // Delayed scaling: one thread per tensor, the same float operations as the host's Fp8DelayedScale.
+// Block scaling: a 128 x 128 tile per block, read once as row packets (kept in registers for the row
+// copy, whose 1 x 128 amax is a half-warp reduction over the 16 threads of a row) and into shared memory
+// as bf16 (rows of 130, so the column reads of the transposed copy spread over the banks); each column's
+// 128 x 1 amax from two threads of 64 rows. The scale rule is fp8_block_scale_exponent (fp8_format.cuh).
+
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -115,6 +120,91 @@ __global__ void __launch_bounds__(kThreads)
   block_amax(local, amax_bits);
 }
 
+constexpr int kBlock = 128;                 // kFp8Block of src/fp8.hpp
+constexpr int kBlockRowWords = kBlock / 2 + 1;  // 32-bit words per shared row: 130 bf16
+
+__device__ __forceinline__ float block_max(float local) {
+  __shared__ float warps[kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
+  __syncthreads();
+  float m = warps[0];
+  for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warps[w]);
+  return m;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    quantize_blocks_kernel(Fp8BlockCopies out, const bf16* __restrict__ x, int rows, int cols, bool tile_scale) {
+  __shared__ uint32_t tile[kBlock * kBlockRowWords];
+  start_after_previous_kernel();
+  const int row0 = blockIdx.y * kBlock, col0 = blockIdx.x * kBlock;
+  const int row_blocks = rows / kBlock, col_blocks = cols / kBlock;
+  constexpr int kPackets = kBlock * kBlock / 8 / kThreads;  // row packets per thread
+  float v[kPackets][8], row_amax[kPackets];
+  bool finite = true;
+#pragma unroll
+  for (int k = 0; k < kPackets; ++k) {
+    const int p = threadIdx.x + k * kThreads, r = p / (kBlock / 8), c = p % (kBlock / 8) * 8;
+    const uint4 raw = load_packet(x + static_cast<size_t>(row0 + r) * cols + col0 + c);
+    uint32_t* words = tile + r * kBlockRowWords + c / 2;
+    words[0] = raw.x, words[1] = raw.y, words[2] = raw.z, words[3] = raw.w;
+    unpack_bf16x8(v[k], raw);
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      finite = finite && isfinite(v[k][j]);
+      a = fmaxf(a, fabsf(v[k][j]));
+    }
+#pragma unroll
+    for (int offset = kBlock / 16; offset > 0; offset /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    row_amax[k] = a;
+  }
+  if (!__syncthreads_or(!finite)) {
+    int tile_exponent = 0;
+    if (tile_scale) {
+      float a = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kPackets; ++k) a = fmaxf(a, row_amax[k]);
+      tile_exponent = fp8_block_scale_exponent(block_max(a), Fp8Format::E4M3);
+      if (threadIdx.x == 0) {
+        if (out.q != nullptr) out.q_dequant[blockIdx.y * col_blocks + blockIdx.x] = fp8_power_of_two(-tile_exponent);
+        if (out.qt != nullptr) out.qt_dequant[blockIdx.x * row_blocks + blockIdx.y] = fp8_power_of_two(-tile_exponent);
+      }
+    }
+    if (out.q != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kPackets; ++k) {
+        const int p = threadIdx.x + k * kThreads, r = p / (kBlock / 8), c = p % (kBlock / 8) * 8;
+        const int e = tile_scale ? tile_exponent : fp8_block_scale_exponent(row_amax[k], Fp8Format::E4M3);
+        *reinterpret_cast<uint2*>(out.q + static_cast<size_t>(row0 + r) * cols + col0 + c) =
+            pack_fp8x8<__NV_E4M3>(v[k], fp8_power_of_two(e));
+        if (!tile_scale && c == 0) out.q_dequant[static_cast<size_t>(row0 + r) * col_blocks + blockIdx.x] = fp8_power_of_two(-e);
+      }
+    }
+    if (out.qt != nullptr) {  // column c of the tile, its rows half * 64 ...: one 64-byte run of qt's row
+      const int c = threadIdx.x / 2, half = threadIdx.x % 2;
+      const __nv_bfloat16* column = reinterpret_cast<const __nv_bfloat16*>(tile) + c;
+      auto value = [&](int r) { return __bfloat162float(column[(half * kBlock / 2 + r) * 2 * kBlockRowWords]); };
+      float a = 0.0f;
+      for (int r = 0; r < kBlock / 2; ++r) a = fmaxf(a, fabsf(value(r)));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+      const int e = tile_scale ? tile_exponent : fp8_block_scale_exponent(a, Fp8Format::E4M3);
+      uint8_t* dst = out.qt + static_cast<size_t>(col0 + c) * rows + row0 + half * kBlock / 2;
+#pragma unroll
+      for (int j = 0; j < kBlock / 16; ++j) {
+        float w[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = value(8 * j + i);
+        *reinterpret_cast<uint2*>(dst + 8 * j) = pack_fp8x8<__NV_E4M3>(w, fp8_power_of_two(e));
+      }
+      if (!tile_scale && half == 0) out.qt_dequant[static_cast<size_t>(col0 + c) * row_blocks + blockIdx.y] = fp8_power_of_two(-e);
+    }
+  } else if (threadIdx.x == 0) {
+    atomicMax(out.bad, out.bad_value);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     update_scales_kernel(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
                          int step, int margin, float largest, unsigned int* bad) {
@@ -172,6 +262,20 @@ void quantize_fp8_transposed(uint8_t* qt, uint8_t* q, float* amax, const bf16* x
   else
     launch_kernel(quantize_transposed_kernel<__NV_E5M2>, after_previous(grid, kThreads), stream, qt, q, bits, x,
                   rows, cols, scale);
+}
+
+void quantize_fp8_blocks(const Fp8BlockCopies& out, const bf16* x, int rows, int cols, bool tile,
+                        cudaStream_t stream) {
+  require(rows % kBlock == 0 && cols % kBlock == 0 && rows >= 0 && cols >= 0,
+          "quantize_fp8_blocks: rows " + std::to_string(rows) + " and cols " + std::to_string(cols) +
+              " must be multiples of 128");
+  require((out.q == nullptr || out.q_dequant != nullptr) && (out.qt == nullptr || out.qt_dequant != nullptr) &&
+              out.bad != nullptr,
+          "quantize_fp8_blocks: each copy needs its dequantization factors, and the flag is required");
+  if (rows == 0 || cols == 0 || (out.q == nullptr && out.qt == nullptr)) return;
+  const profile::Region region("quantize_fp8_blocks", profile::Work::Epilogue, stream);
+  launch_kernel(quantize_blocks_kernel, after_previous(dim3(cols / kBlock, rows / kBlock), kThreads), stream, out, x,
+                rows, cols, tile);
 }
 
 void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,

@@ -53,6 +53,24 @@ void quantize_fp8(uint8_t* q, float* amax, const bf16* x, size_t n, const float*
 void quantize_fp8_transposed(uint8_t* qt, uint8_t* q, float* amax, const bf16* x, int rows, int cols,
                              const float* scale, Fp8Format format, cudaStream_t stream);
 
+// Block scaling (src/fp8.hpp: fp8_block_copy is the specification, fp8_block_scale_exponent the shared scale
+// rule): x [rows, cols] (multiples of 128) into the e4m3 copies a block-scaled GEMM reads, both from one read
+// of x: q [rows, cols] with one dequantization factor (1 / scale, a power of two) per 1 x 128 block of its
+// rows, q_dequant [rows, cols / 128]; qt [cols, rows] with one per 1 x 128 block of its rows, i.e. per
+// 128 x 1 block of x, qt_dequant [cols, rows / 128]. With `tile` (weights) one factor per 128 x 128 tile
+// instead: q_dequant [rows / 128, cols / 128], qt_dequant [cols / 128, rows / 128]. Either copy may be null.
+// A tile holding a value that is not finite is not written, and *bad becomes max(*bad, bad_value) (a
+// positive bad_value names the tensor; an atomic max, so the result does not depend on the blocks' order).
+struct Fp8BlockCopies {
+  uint8_t* q = nullptr;
+  float* q_dequant = nullptr;
+  uint8_t* qt = nullptr;
+  float* qt_dequant = nullptr;
+  unsigned int* bad = nullptr;
+  unsigned int bad_value = 1;
+};
+void quantize_fp8_blocks(const Fp8BlockCopies& out, const bf16* x, int rows, int cols, bool tile, cudaStream_t stream);
+
 // Delayed scaling of `count` tensors in one launch (Fp8DelayedScale of src/fp8.hpp is the host
 // specification): each tensor's amax of this step (amax[t], gathered by its quantize calls; zeroed here for
 // the next step) goes into its history ring (history[t * history_len + step % history_len]), and scale[t] =

@@ -39,7 +39,7 @@ const coda::Fp8Recipe kRecipe{4, 0};
 const coda::AdamWHyper kHyper{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
 
 // Every width a multiple of 16, as the FP8 GEMMs need.
-coda::ModelConfig fp8_model(coda::Arch arch) {
+coda::ModelConfig fp8_model(coda::Arch arch, bool block = false) {
   coda::ModelConfig c;
   c.set_arch(arch);
   c.n_layer = 2;
@@ -48,7 +48,7 @@ coda::ModelConfig fp8_model(coda::Arch arch) {
   if (arch == coda::Arch::GPT2) {
     c.d_model = 128, c.n_head = 2, c.n_kv_head = 2, c.d_ff = 512;
   } else {
-    c.d_model = 256, c.n_head = 4, c.n_kv_head = 2, c.d_ff = 352, c.tied_head = arch == coda::Arch::Qwen2;
+    c.d_model = 256, c.n_head = 4, c.n_kv_head = 2, c.d_ff = block ? 384 : 352, c.tied_head = arch == coda::Arch::Qwen2;
   }
   return c;
 }
@@ -93,7 +93,7 @@ constexpr double kBf16GradError = 1.5e-2;
 
 // Four steps of the GPU's FP8 mode against the emulation with the same recipe (the header above).
 void expect_steps_follow_the_emulation(coda::Arch arch, const coda::Fp8Recipe& recipe) {
-  const coda::ModelConfig c = fp8_model(arch);
+  const coda::ModelConfig c = fp8_model(arch, recipe.block());
   const coda::ParamLayout layout = coda::make_param_layout(c);
   const int B = 4, T = 64, steps = 4;
   std::vector<float> params(layout.total);
@@ -155,6 +155,13 @@ TEST_P(GpuFp8Model, StepsFollowTheCpuEmulation) {
 TEST_P(GpuFp8Model, ASubsetOfTheLinearsFollowsTheCpuEmulation) {
   SKIP_WITHOUT_GPU();
   expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{4, 0, coda::parse_fp8_linears("attn_proj,mlp_down")});
+}
+
+// Block scaling (widths multiples of 128): the same comparison with the emulation of Fp8Recipe::block, from
+// the first step on (no calibration), and no state on either side.
+TEST_P(GpuFp8Model, BlockScalingFollowsTheCpuEmulation) {
+  SKIP_WITHOUT_GPU();
+  expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{16, 0, 0xF, coda::Fp8Scaling::Block});
 }
 
 // The scaling state read after three steps, loaded with the weights and moments into a fresh backend,
