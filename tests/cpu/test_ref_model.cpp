@@ -361,72 +361,62 @@ TEST(CpuBackend, AdamWStepsLowerTheLossOnAFixedBatch) {
 
 }  // namespace
 
+// 15 AdamW steps on one fixed batch from the same weights, fp32 (no recipe) or emulated FP8: the losses,
+// and whether the FP8 state was empty at the end.
+struct Fp8Run {
+  std::vector<float> losses;
+  bool state_empty = true;
+};
+Fp8Run fp8_training_run(const ModelConfig& config, const std::optional<coda::Fp8Recipe>& recipe) {
+  const int B = 2, T = 7, steps = 15;
+  Rng rng(31);
+  const Batch batch = random_batch(B, T, config.vocab_size, rng);
+  ref::RefModel model(config, B, T);
+  model.init(31);
+  if (recipe) model.enable_fp8(*recipe);
+  std::vector<float> m(model.layout.total, 0.0f), v(model.layout.total, 0.0f);
+  coda::AdamWHyper hyper;
+  hyper.lr = 2e-3f;
+  Fp8Run run;
+  for (int step = 1; step <= steps; ++step) {
+    model.zero_grad();
+    run.losses.push_back(model.forward(batch.tokens.data(), batch.targets.data(), B, T, true));
+    model.backward(1.0f);
+    if (recipe) model.fp8_end_step(step - 1);
+    coda::adamw_update(model.layout, model.params.data(), model.grads.data(), m.data(), v.data(), hyper, step, 1.0f);
+  }
+  run.state_empty = model.fp8_state().empty();
+  return run;
+}
+
 // FP8 emulation (RefModel::enable_fp8), the specification of the FP8 training mode: every architecture
-// trained 15 AdamW steps on one fixed batch in fp32 and in emulated FP8 (delayed scaling, history 16,
-// margin 0) from the same weights. The first step calibrates (fp32, the amax recorded: the same loss);
-// from the second the quantization is really there (the losses differ), and the FP8 run ends within 0.5%
-// of the fp32 loss, both well below where they started.
+// trained in fp32 and in emulated FP8 (delayed scaling, history 16, margin 0). The first step calibrates
+// (fp32, the amax recorded: the same loss); from the second the quantization is really there (the losses
+// differ), and the FP8 run ends within 0.5% of the fp32 loss, both well below where they started.
 TEST(RefModel, Fp8EmulationTracksFp32Training) {
   for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
-    const int B = 2, T = 7, steps = 15;
-    Rng rng(31);
-    const Batch batch = random_batch(B, T, config.vocab_size, rng);
-    std::vector<std::vector<float>> losses(2);
-    for (int fp8 = 0; fp8 < 2; ++fp8) {
-      ref::RefModel model(config, B, T);
-      model.init(31);
-      if (fp8) model.enable_fp8(coda::Fp8Recipe{16, 0});
-      std::vector<float> m(model.layout.total, 0.0f), v(model.layout.total, 0.0f);
-      coda::AdamWHyper hyper;
-      hyper.lr = 2e-3f;
-      for (int step = 1; step <= steps; ++step) {
-        model.zero_grad();
-        losses[fp8].push_back(model.forward(batch.tokens.data(), batch.targets.data(), B, T, true));
-        model.backward(1.0f);
-        if (fp8) model.fp8_end_step(step - 1);
-        coda::adamw_update(model.layout, model.params.data(), model.grads.data(), m.data(), v.data(), hyper, step,
-                           1.0f);
-      }
-    }
+    const std::vector<float> fp32 = fp8_training_run(config, std::nullopt).losses;
+    const Fp8Run fp8 = fp8_training_run(config, coda::Fp8Recipe{16, 0});
     const std::string name = arch_name(config.arch);
-    EXPECT_EQ(losses[1][0], losses[0][0]) << name << ": the calibration step computes in fp32";
-    EXPECT_NE(losses[1][1], losses[0][1]) << name << ": from the second step the linears are FP8";
-    EXPECT_LT(losses[0].back(), losses[0].front() - 1.0f) << name;
-    EXPECT_NEAR(losses[1].back(), losses[0].back(), 0.005 * losses[0].back()) << name;
+    EXPECT_EQ(fp8.losses[0], fp32[0]) << name << ": the calibration step computes in fp32";
+    EXPECT_NE(fp8.losses[1], fp32[1]) << name << ": from the second step the linears are FP8";
+    EXPECT_FALSE(fp8.state_empty) << name;
+    EXPECT_LT(fp32.back(), fp32.front() - 1.0f) << name;
+    EXPECT_NEAR(fp8.losses.back(), fp32.back(), 0.005 * fp32.back()) << name;
   }
 }
 
 // Block scaling (Fp8Recipe::block): FP8 from the first step on (no calibration, so the first loss already
-// differs from fp32's), and the run ends within 0.5% of the fp32 loss, as the delayed recipe does.
+// differs from fp32's), no state kept, and the run ends within 0.5% of the fp32 loss, as the delayed
+// recipe does.
 TEST(RefModel, Fp8BlockScalingTracksFp32Training) {
   for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
-    const int B = 2, T = 7, steps = 15;
-    Rng rng(31);
-    const Batch batch = random_batch(B, T, config.vocab_size, rng);
-    std::vector<std::vector<float>> losses(2);
-    for (int fp8 = 0; fp8 < 2; ++fp8) {
-      ref::RefModel model(config, B, T);
-      model.init(31);
-      if (fp8) model.enable_fp8(coda::Fp8Recipe{16, 0, 0xF, coda::Fp8Scaling::Block});
-      std::vector<float> m(model.layout.total, 0.0f), v(model.layout.total, 0.0f);
-      coda::AdamWHyper hyper;
-      hyper.lr = 2e-3f;
-      for (int step = 1; step <= steps; ++step) {
-        model.zero_grad();
-        losses[fp8].push_back(model.forward(batch.tokens.data(), batch.targets.data(), B, T, true));
-        model.backward(1.0f);
-        if (fp8) model.fp8_end_step(step - 1);
-        coda::adamw_update(model.layout, model.params.data(), model.grads.data(), m.data(), v.data(), hyper, step,
-                           1.0f);
-      }
-      if (fp8) {
-        EXPECT_TRUE(model.fp8_state().empty()) << "block scaling keeps no state between steps";
-      }
-    }
+    const std::vector<float> fp32 = fp8_training_run(config, std::nullopt).losses;
+    const Fp8Run fp8 = fp8_training_run(config, coda::Fp8Recipe{16, 0, 0xF, coda::Fp8Scaling::Block});
     const std::string name = arch_name(config.arch);
-    EXPECT_NE(losses[1][0], losses[0][0]) << name << ": block scaling quantizes from the first step";
-    EXPECT_LT(losses[0].back(), losses[0].front() - 1.0f) << name;
-    EXPECT_NEAR(losses[1].back(), losses[0].back(), 0.005 * losses[0].back()) << name;
+    EXPECT_NE(fp8.losses[0], fp32[0]) << name << ": block scaling quantizes from the first step";
+    EXPECT_TRUE(fp8.state_empty) << name << ": block scaling keeps no state between steps";
+    EXPECT_NEAR(fp8.losses.back(), fp32.back(), 0.005 * fp32.back()) << name;
   }
 }
 
