@@ -308,10 +308,17 @@ std::string resolve_val_data(const std::string& val_data, const std::string& tra
 
 namespace {
 // A resumed run's FP8 scaling state: continued when the run is fp8 with the same history; a bf16 checkpoint
-// resumed in fp8 starts with a calibration step, and an fp8 one resumed in bf16 leaves its state unused.
+// resumed in fp8 starts with a calibration step, and an fp8 one resumed in bf16 or with block scaling (which
+// keeps no state) leaves its state unused.
 void load_fp8_state(Backend& backend, const RunConfig& config, const Fp8ScalingState& state, const std::string& dir) {
   if (!config.fp8()) {
     if (!state.empty()) spdlog::info("resume {}: precision = bf16, the checkpoint's fp8 scaling state is not used", dir);
+    return;
+  }
+  if (config.fp8()->block()) {
+    if (!state.empty())
+      spdlog::info("resume {}: fp8_scaling = block keeps no state, the checkpoint's per-tensor scaling state is not used",
+                   dir);
     return;
   }
   if (state.empty()) spdlog::info("resume {}: no fp8 scaling state (a bf16 run); the first step calibrates", dir);

@@ -262,7 +262,8 @@ TEST_F(Training, OneSeedGivesIdenticalRunsAndAnotherSeedDoesNot) {
 }
 
 // Both architectures in bf16, and Llama in fp8, whose checkpoint carries the amax histories that the next
-// steps' scales come from.
+// steps' scales come from; that checkpoint resumed with another fp8_history is refused, with block scaling
+// it continues without them.
 TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
   for (const auto& [arch, precision] : {std::pair{coda::Arch::GPT2, "bf16"}, std::pair{coda::Arch::Llama, "bf16"},
                                         std::pair{coda::Arch::Llama, "fp8"}}) {
@@ -308,6 +309,10 @@ TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
       } catch (const std::runtime_error& e) {
         EXPECT_NE(std::string(e.what()).find("fp8_history = 4"), std::string::npos) << e.what();
       }
+      resumed_config.fp8_scaling = "block";  // keeps no state: the checkpoint's histories are left unused
+      const coda::TrainResult switched = coda::train(resumed_config);
+      EXPECT_EQ(switched.step, 14) << name;
+      EXPECT_TRUE(coda::load_checkpoint(switched.checkpoint).state.fp8.empty()) << name;
     }
   }
 }
