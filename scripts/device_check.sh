@@ -2,7 +2,8 @@
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
 # every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
 # profile (with the fusion bound) of both modes on gpt2-124m, llama3.2-1b and qwen2.5-0.5b (the bench with
-# each mode's deterministic variant, the FP8 unfused mode, and the coda mode with CODA_BARE_GEMMS=handwritten),
+# each mode's deterministic variant, the FP8 unfused mode with per-tensor and with block scales, and the coda
+# mode with CODA_BARE_GEMMS=handwritten),
 # a ZeRO-1 run against the plain one, tiny-qwen2 trained in both modes,
 # tiny-llama trained in bf16 and fp8, the FP8 GEMMs against cuBLASLt's, and `coda train` of gpt2-124m
 # against its bench step; then a summary table (the last output lines).
@@ -74,6 +75,7 @@ bench() {  # name config B T
   }
   timed "bench_$1" "$2" "$3" "$4" --deterministic
   timed "bench_$1_fp8" "$2" "$3" "$4" --kernels unfused --precision fp8
+  timed "bench_$1_fp8_block" "$2" "$3" "$4" --kernels unfused --precision fp8 --fp8_scaling block
   CODA_BARE_GEMMS=handwritten timed "bench_$1_bare_handwritten" "$2" "$3" "$4" --kernels coda
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 30 --steps 2 \
@@ -151,10 +153,10 @@ printf '%-14s %-28s %9s %9s %7s %8s %8s %7s %7s %9s %8s\n' model backend "ms/ste
   "J/step" "SM MHz" "tokens/J" anchor
 for run in gpt2-124m:62.65 llama3.2-1b:242 qwen2.5-0.5b:-; do
   name=${run%%:*} anchor=${run##*:}
-  python3 - "$logs/bench_$name.json" "$logs/bench_${name}_fp8.json" "$logs/bench_${name}_bare_handwritten.json" \
-    "$name" "$anchor" <<'PY'
+  python3 - "$logs/bench_$name.json" "$logs/bench_${name}_fp8.json" "$logs/bench_${name}_fp8_block.json" \
+    "$logs/bench_${name}_bare_handwritten.json" "$name" "$anchor" <<'PY'
 import json, sys
-bf16, fp8, bare, name, anchor = sys.argv[1:]
+bf16, fp8, fp8_block, bare, name, anchor = sys.argv[1:]
 def fig(value, spec):
     return format(value, spec) if value else "-"
 def rows(path, keep):
@@ -163,10 +165,14 @@ def rows(path, keep):
     except OSError:
         print(f"{name}: no bench result in {path}")
         return []
-bare_rows = rows(bare, lambda r: True)
-for r in bare_rows:
-    r["backend"] += " bare-handwritten"
-for r in rows(bf16, lambda r: True) + rows(fp8, lambda r: "fp8" in r["backend"]) + bare_rows:
+def suffixed(path, keep, suffix):
+    found = rows(path, keep)
+    for r in found:
+        r["backend"] += suffix
+    return found
+fp8_rows = lambda r: "fp8" in r["backend"]
+for r in (rows(bf16, lambda r: True) + rows(fp8, fp8_rows) + suffixed(fp8_block, fp8_rows, " block")
+          + suffixed(bare, lambda r: True, " bare-handwritten")):
     mfu = f"{100 * r['mfu']:.1f}%" if r.get('mfu') else "-"
     print(f"{name:<14} {r['backend']:<28} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
           f"{fig(r['forward_ms'], '8.2f'):>8} {fig(r['backward_ms'], '8.2f'):>8} {fig(r['joules_per_step'], '7.2f'):>7} "
