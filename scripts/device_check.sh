@@ -165,14 +165,11 @@ def rows(path, keep):
     except OSError:
         print(f"{name}: no bench result in {path}")
         return []
-def suffixed(path, keep, suffix):
-    found = rows(path, keep)
-    for r in found:
-        r["backend"] += suffix
-    return found
+bare_rows = rows(bare, lambda r: True)
+for r in bare_rows:
+    r["backend"] += " bare-handwritten"
 fp8_rows = lambda r: "fp8" in r["backend"]
-for r in (rows(bf16, lambda r: True) + rows(fp8, fp8_rows) + suffixed(fp8_block, fp8_rows, " block")
-          + suffixed(bare, lambda r: True, " bare-handwritten")):
+for r in rows(bf16, lambda r: True) + rows(fp8, fp8_rows) + rows(fp8_block, fp8_rows) + bare_rows:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get('mfu') else "-"
     print(f"{name:<14} {r['backend']:<28} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
           f"{fig(r['forward_ms'], '8.2f'):>8} {fig(r['backward_ms'], '8.2f'):>8} {fig(r['joules_per_step'], '7.2f'):>7} "

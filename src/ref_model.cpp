@@ -287,11 +287,11 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend(const ModelConfig& config, int max_batch, int max_seq_len, const std::optional<Fp8Recipe>& fp8)
       : model_(config, max_batch, max_seq_len), m_(model_.layout.total, 0.0f), v_(model_.layout.total, 0.0f),
-        fp8_(fp8.has_value()) {
+        fp8_(fp8) {
     if (fp8) model_.enable_fp8(*fp8);
   }
 
-  std::string name() const override { return fp8_ ? "cpu-fp8" : "cpu"; }
+  std::string name() const override { return !fp8_ ? "cpu" : fp8_->block() ? "cpu-fp8-block" : "cpu-fp8"; }
 
   void load_params(const float* params) override { std::copy_n(params, total(), model_.params.data()); }
   void read_params(float* params) override { std::copy_n(model_.params.data(), total(), params); }
@@ -340,7 +340,7 @@ class CpuBackend final : public Backend {
 
   ref::RefModel model_;
   std::vector<float> m_, v_;
-  bool fp8_;
+  std::optional<Fp8Recipe> fp8_;
 };
 
 }  // namespace

@@ -47,7 +47,7 @@ class StepRunner {
   StepRunner(const StepRunner&) = delete;
   StepRunner& operator=(const StepRunner&) = delete;
 
-  virtual std::string mode() const = 0;  // "unfused", "unfused-fp8", "coda"
+  virtual std::string mode() const = 0;  // "unfused", "unfused-fp8", "unfused-fp8-block", "coda"
   bool deterministic() const { return deterministic_; }
   // Reserves the StepIO buffers and then the runner's own (plan_buffers).
   void plan(ArenaPlan& plan);

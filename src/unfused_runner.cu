@@ -25,7 +25,9 @@ class UnfusedRunner final : public StepRunner {
       : StepRunner(state, options.deterministic), cublas_(std::make_unique<CublasLt>()) {
     if (options.fp8) fp8_ = std::make_unique<Fp8Linears>(state, *cublas_, *options.fp8);
   }
-  std::string mode() const override { return fp8_ != nullptr ? "unfused-fp8" : "unfused"; }
+  std::string mode() const override {
+    return fp8_ == nullptr ? "unfused" : fp8_->block() ? "unfused-fp8-block" : "unfused-fp8";
+  }
   void upload_tables() override;
 
   void embedding_forward(int B, int T) override;

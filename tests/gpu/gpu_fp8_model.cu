@@ -102,7 +102,7 @@ void expect_steps_follow_the_emulation(coda::Arch arch, const coda::Fp8Recipe& r
   auto emulated = coda::make_cpu_backend(c, B, T, recipe);
   auto full = coda::make_cpu_backend(c, B, T);
   auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, recipe, false});
-  EXPECT_EQ(gpu->name(), "cuda-unfused-fp8");
+  EXPECT_EQ(gpu->name(), recipe.block() ? "cuda-unfused-fp8-block" : "cuda-unfused-fp8");
   for (coda::Backend* backend : {emulated.get(), full.get(), gpu.get()}) backend->load_params(params.data());
   for (int step = 0; step < steps; ++step) {
     // The gradients of this step's batch from the same weights: the fp32 reference gets the emulation's.
