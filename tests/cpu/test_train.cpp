@@ -438,6 +438,9 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
   const std::vector<coda::BenchResult> with_fp8 = coda::bench(c, 1, 0);
   ASSERT_EQ(with_fp8.size(), results.size() + 1) << "fp8 adds its mode after the bf16 ones";
   EXPECT_EQ(with_fp8.back().backend, "cpu-fp8");
+  c.fp8_scaling = "block";
+  EXPECT_EQ(coda::bench(c, 1, 0).back().backend, "cpu-fp8-block") << "the recipe is in the name";
+  c.fp8_scaling = "tensor";
   c.precision = "bf16";
   EXPECT_THROW(coda::bench(c, 1, 0, nullptr, -1.0), std::invalid_argument) << "a negative energy window";
   EXPECT_THROW(coda::bench(c, 1, 0, nullptr, std::nan("")), std::invalid_argument) << "a NaN energy window";
