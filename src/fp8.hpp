@@ -46,6 +46,7 @@ struct Fp8Recipe {
   Fp8Scaling scaling = Fp8Scaling::Tensor;
   bool covers(int linear) const { return linear >= 0 && linear < 32 && ((linears >> linear) & 1u); }
   bool block() const { return scaling == Fp8Scaling::Block; }
+  const char* name() const { return block() ? "fp8-block" : "fp8"; }  // in backend and mode names
 };
 
 // Block scaling. Each copy of a tensor is quantized in blocks of kFp8Block values along the K of the GEMM that

@@ -2,7 +2,6 @@
 #include "fp8_linears.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -86,7 +85,6 @@ void Fp8Linears::upload_initial_scales() {
   if (recipe_.block()) {  // nothing to calibrate: every block's scale comes from its own values
     CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), state_.stream()));
     state_.wait_stream();
-    calibrated_ = true;
     return;
   }
   const std::vector<float> ones(static_cast<size_t>(count_) * unfused::kFp8DequantSlot, 1.0f);
@@ -144,12 +142,7 @@ namespace {
 
 // The flag value of tensor t under block scaling: the bits of the float t + 1 (an atomic max on the bits of
 // positive floats is the max of the values, and a float flag is what all_reduce_max takes).
-unsigned int block_flag(int t) {
-  const float value = static_cast<float>(t + 1);
-  unsigned int bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
+unsigned int block_flag(int t) { return fp8_float_bits(static_cast<float>(t + 1)); }
 
 }  // namespace
 

@@ -48,7 +48,7 @@ class Fp8Linears {
 
   void plan(ArenaPlan& plan);
   bool covers(int linear) const { return recipe_.covers(linear); }  // runs in FP8 (the recipe's linears)
-  bool block() const { return recipe_.block(); }                    // block scaling
+  const Fp8Recipe& recipe() const { return recipe_; }
   void upload_initial_scales();  // after allocation: every scale 1, no history
 
   // The four linears of a block (linear: 0 qkv, 1 attention output, 2 MLP up, 3 MLP down) of

@@ -291,7 +291,7 @@ class CpuBackend final : public Backend {
     if (fp8) model_.enable_fp8(*fp8);
   }
 
-  std::string name() const override { return !fp8_ ? "cpu" : fp8_->block() ? "cpu-fp8-block" : "cpu-fp8"; }
+  std::string name() const override { return fp8_ ? std::string("cpu-") + fp8_->name() : "cpu"; }
 
   void load_params(const float* params) override { std::copy_n(params, total(), model_.params.data()); }
   void read_params(float* params) override { std::copy_n(model_.params.data(), total(), params); }

@@ -26,7 +26,7 @@ class UnfusedRunner final : public StepRunner {
     if (options.fp8) fp8_ = std::make_unique<Fp8Linears>(state, *cublas_, *options.fp8);
   }
   std::string mode() const override {
-    return fp8_ == nullptr ? "unfused" : fp8_->block() ? "unfused-fp8-block" : "unfused-fp8";
+    return fp8_ == nullptr ? "unfused" : std::string("unfused-") + fp8_->recipe().name();
   }
   void upload_tables() override;
 

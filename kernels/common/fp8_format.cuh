@@ -18,27 +18,17 @@ enum class Fp8Format { E4M3, E5M2 };
 // The largest finite value of each format: 1.75 * 2^8 and 1.75 * 2^15.
 constexpr float fp8_max_finite(Fp8Format format) { return format == Fp8Format::E4M3 ? 448.0f : 57344.0f; }
 
-// Block scaling: the block's scale is 2^k for the largest k with amax 2^k <= the format's largest value
-// 1.75 2^L, read off amax's float bits (amax = 1.m 2^e: k = L - e, one less where 1.m > 1.75), clamped to
-// [-126, 126]; k = 0 for an amax of 0, subnormal amax take 126, and a non-finite amax 0 (its block is
-// reported, not used). Integer arithmetic, so host and device agree to the bit.
-CODA_FP8_HD int fp8_block_scale_exponent(float amax, Fp8Format format) {
-  uint32_t bits;
+// A float's bits and back, on the host and the device alike.
+CODA_FP8_HD uint32_t fp8_float_bits(float x) {
 #if defined(__CUDA_ARCH__)
-  bits = __float_as_uint(amax);
+  return __float_as_uint(x);
 #else
-  std::memcpy(&bits, &amax, sizeof bits);
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
 #endif
-  const int exponent_field = static_cast<int>((bits >> 23) & 0xFF), mantissa = static_cast<int>(bits & 0x7FFFFF);
-  if ((bits & 0x7FFFFFFF) == 0 || exponent_field == 0xFF) return 0;
-  if (exponent_field == 0) return 126;
-  const int largest_exponent = format == Fp8Format::E4M3 ? 8 : 15;
-  const int k = largest_exponent - (exponent_field - 127) - (mantissa > 0x600000 ? 1 : 0);
-  return k < -126 ? -126 : (k > 126 ? 126 : k);
 }
-// 2^k as a float (k in [-126, 127]).
-CODA_FP8_HD float fp8_power_of_two(int k) {
-  const uint32_t bits = static_cast<uint32_t>(k + 127) << 23;
+CODA_FP8_HD float fp8_bits_float(uint32_t bits) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(bits);
 #else
@@ -47,5 +37,21 @@ CODA_FP8_HD float fp8_power_of_two(int k) {
   return x;
 #endif
 }
+
+// Block scaling: the block's scale is 2^k for the largest k with amax 2^k <= the format's largest value
+// 1.75 2^L, read off amax's float bits (amax = 1.m 2^e: k = L - e, one less where 1.m > 1.75), clamped to
+// [-126, 126]; k = 0 for an amax of 0, subnormal amax take 126, and a non-finite amax 0 (its block is
+// reported, not used). Integer arithmetic, so host and device agree to the bit.
+CODA_FP8_HD int fp8_block_scale_exponent(float amax, Fp8Format format) {
+  const uint32_t bits = fp8_float_bits(amax);
+  const int exponent_field = static_cast<int>((bits >> 23) & 0xFF), mantissa = static_cast<int>(bits & 0x7FFFFF);
+  if ((bits & 0x7FFFFFFF) == 0 || exponent_field == 0xFF) return 0;
+  if (exponent_field == 0) return 126;
+  const int largest_exponent = format == Fp8Format::E4M3 ? 8 : 15;
+  const int k = largest_exponent - (exponent_field - 127) - (mantissa > 0x600000 ? 1 : 0);
+  return k < -126 ? -126 : (k > 126 ? 126 : k);
+}
+// 2^k as a float (k in [-126, 127]).
+CODA_FP8_HD float fp8_power_of_two(int k) { return fp8_bits_float(static_cast<uint32_t>(k + 127) << 23); }
 
 }  // namespace coda

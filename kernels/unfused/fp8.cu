@@ -39,18 +39,22 @@ __device__ __forceinline__ float max_abs(float a, float x) {
 
 __device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// The block's max into *amax_bits (blockDim.x == kThreads).
-__device__ __forceinline__ void block_amax(float local, unsigned int* amax_bits) {
+// The block's NaN-propagating max, returned to every thread (blockDim.x == kThreads).
+__device__ __forceinline__ float block_max(float local) {
   __shared__ float warps[kThreads / 32];
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) local = nan_max(local, __shfl_xor_sync(0xffffffffu, local, offset));
   if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float m = warps[0];
-    for (int w = 1; w < kThreads / 32; ++w) m = nan_max(m, warps[w]);
-    atomicMax(amax_bits, __float_as_uint(m));
-  }
+  float m = warps[0];
+  for (int w = 1; w < kThreads / 32; ++w) m = nan_max(m, warps[w]);
+  return m;
+}
+
+// The block's max into *amax_bits.
+__device__ __forceinline__ void block_amax(float local, unsigned int* amax_bits) {
+  const float m = block_max(local);
+  if (threadIdx.x == 0) atomicMax(amax_bits, __float_as_uint(m));
 }
 
 template <__nv_fp8_interpretation_t kFormat>
@@ -123,17 +127,6 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kBlock = 128;                 // kFp8Block of src/fp8.hpp
 constexpr int kBlockRowWords = kBlock / 2 + 1;  // 32-bit words per shared row: 130 bf16
 
-__device__ __forceinline__ float block_max(float local) {
-  __shared__ float warps[kThreads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) local = fmaxf(local, __shfl_xor_sync(0xffffffffu, local, offset));
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
-  __syncthreads();
-  float m = warps[0];
-  for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warps[w]);
-  return m;
-}
-
 __global__ void __launch_bounds__(kThreads)
     quantize_blocks_kernel(Fp8BlockCopies out, const bf16* __restrict__ x, int rows, int cols, bool tile_scale) {
   __shared__ uint32_t tile[kBlock * kBlockRowWords];
@@ -185,19 +178,21 @@ __global__ void __launch_bounds__(kThreads)
     if (out.qt != nullptr) {  // column c of the tile, its rows half * 64 ...: one 64-byte run of qt's row
       const int c = threadIdx.x / 2, half = threadIdx.x % 2;
       const __nv_bfloat16* column = reinterpret_cast<const __nv_bfloat16*>(tile) + c;
-      auto value = [&](int r) { return __bfloat162float(column[(half * kBlock / 2 + r) * 2 * kBlockRowWords]); };
+      float w[kBlock / 16][8];  // the thread's 64 values of the column, read from shared memory once
       float a = 0.0f;
-      for (int r = 0; r < kBlock / 2; ++r) a = fmaxf(a, fabsf(value(r)));
+#pragma unroll
+      for (int j = 0; j < kBlock / 16; ++j)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          w[j][i] = __bfloat162float(column[(half * kBlock / 2 + 8 * j + i) * 2 * kBlockRowWords]);
+          a = fmaxf(a, fabsf(w[j][i]));
+        }
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
       const int e = tile_scale ? tile_exponent : fp8_block_scale_exponent(a, Fp8Format::E4M3);
       uint8_t* dst = out.qt + static_cast<size_t>(col0 + c) * rows + row0 + half * kBlock / 2;
 #pragma unroll
-      for (int j = 0; j < kBlock / 16; ++j) {
-        float w[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = value(8 * j + i);
-        *reinterpret_cast<uint2*>(dst + 8 * j) = pack_fp8x8<__NV_E4M3>(w, fp8_power_of_two(e));
-      }
+      for (int j = 0; j < kBlock / 16; ++j)
+        *reinterpret_cast<uint2*>(dst + 8 * j) = pack_fp8x8<__NV_E4M3>(w[j], fp8_power_of_two(e));
       if (!tile_scale && half == 0) out.qt_dequant[static_cast<size_t>(col0 + c) * row_blocks + blockIdx.y] = fp8_power_of_two(-e);
     }
   } else if (threadIdx.x == 0) {
