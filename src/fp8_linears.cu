@@ -64,8 +64,10 @@ void Fp8Linears::plan(ArenaPlan& plan) {
       plan.reserve(&l.wqT, static_cast<size_t>(OC) * IC, weights);
       plan.reserve(&l.xqT, N * IC, saved);
       if (block) {
-        plan.reserve(&l.wq_dequant, static_cast<size_t>(OC / kFp8Block) * (IC / kFp8Block), weights);
-        plan.reserve(&l.wqT_dequant, static_cast<size_t>(OC / kFp8Block) * (IC / kFp8Block), weights);
+        plan.reserve(&l.wq_dequant, static_cast<size_t>(OC / kFp8Block) * unfused::fp8_tile_factor_row(IC / kFp8Block),
+                     weights);
+        plan.reserve(&l.wqT_dequant, static_cast<size_t>(IC / kFp8Block) * unfused::fp8_tile_factor_row(OC / kFp8Block),
+                     weights);
         plan.reserve(&l.xqT_dequant, N / kFp8Block * IC, saved);
       }
       max_ic = std::max<size_t>(max_ic, IC);

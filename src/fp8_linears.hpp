@@ -90,9 +90,9 @@ class Fp8Linears {
     uint8_t* wq = nullptr;   // [OC, IC]
     uint8_t* wqT = nullptr;  // [IC, OC]
     uint8_t* xqT = nullptr;  // [IC, N], kept from the forward for the weight gradient
-    float* wq_dequant = nullptr;   // block scaling: [OC / 128, IC / 128]
-    float* wqT_dequant = nullptr;  // block scaling: [IC / 128, OC / 128]
-    float* xqT_dequant = nullptr;  // block scaling: [IC, N / 128]
+    float* wq_dequant = nullptr;   // block scaling: [OC / 128, IC / 128 padded] (Fp8BlockCopies gives the layouts)
+    float* wqT_dequant = nullptr;  // block scaling: [IC / 128, OC / 128 padded]
+    float* xqT_dequant = nullptr;  // block scaling: [N / 128, IC]
   };
   void forward_blocks(bf16* y, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC, bool training);
   void backward_blocks(bf16* dx, const bf16* dy, int layer, int linear, size_t w, int N, int IC, int OC);
@@ -100,9 +100,9 @@ class Fp8Linears {
   uint8_t* xq_ = nullptr;        // scratch [N, max IC]
   uint8_t* dyq_ = nullptr;       // scratch [N, max OC]
   uint8_t* dyqT_ = nullptr;      // scratch [max OC, N]
-  float* xq_dequant_ = nullptr;    // block scaling, scratch [N, max IC / 128]
-  float* dyq_dequant_ = nullptr;   // block scaling, scratch [N, max OC / 128]
-  float* dyqT_dequant_ = nullptr;  // block scaling, scratch [max OC, N / 128]
+  float* xq_dequant_ = nullptr;    // block scaling, scratch [max IC / 128, N]
+  float* dyq_dequant_ = nullptr;   // block scaling, scratch [max OC / 128, N]
+  float* dyqT_dequant_ = nullptr;  // block scaling, scratch [N / 128, max OC]
 };
 
 }  // namespace coda

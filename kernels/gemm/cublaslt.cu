@@ -70,8 +70,7 @@ const CublasLt::Plan& CublasLt::plan(const Key& key) {
     // factors must be, until a run sets the operands' own), so the heuristic sees the descriptor the runs use.
     for (const auto attribute : {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER})
       CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, attribute, &workspace_, sizeof(workspace_)));
-    // cuBLAS's A is our B and its B our A. A K-major row of ours is a column of cuBLAS's operand, so our
-    // [rows, K / 128] factors are its [K / 128, rows] column-major ones.
+    // cuBLAS's A is our B and its B our A; the factor layouts are the same for either operand.
     const auto mode = [](int scales) -> int32_t {
       switch (static_cast<Fp8Scales>(scales)) {
         case Fp8Scales::Rows128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;

@@ -29,9 +29,10 @@ namespace coda {
 enum class Op { N, T };
 
 // How an FP8 operand's dequantization factors cover it: one for the tensor (a 16-byte aligned float), one
-// per 1 x 128 block of each row along K ([rows, K / 128] row-major), or one per 128 x 128 tile ([rows / 128,
-// K / 128] row-major). The block modes are cuBLASLt's VEC128_32F and BLK128x128_32F (Hopper, cuBLAS >= 12.9)
-// and need M, N and K multiples of 128.
+// per 1 x 128 block of each row along K (Rows128: [K / 128, rows] row-major, the row index fastest), or one
+// per 128 x 128 tile (Tiles128: [rows / 128, K / 128 rounded up to a multiple of 4] row-major, the padding
+// unread). These are the layouts of cuBLASLt's VEC128_32F and BLK128x128_32F (Hopper, cuBLAS >= 12.9; the
+// block-scaled GEMM test pins them), which need M, N and K multiples of 128.
 enum class Fp8Scales { Tensor, Rows128, Tiles128 };
 
 class CublasLt {

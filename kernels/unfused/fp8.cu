@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t tile[kBlock * kBlockRowWords];
   start_after_previous_kernel();
   const int row0 = blockIdx.y * kBlock, col0 = blockIdx.x * kBlock;
-  const int row_blocks = rows / kBlock, col_blocks = cols / kBlock;
+  const int q_tile_row = fp8_tile_factor_row(cols / kBlock), qt_tile_row = fp8_tile_factor_row(rows / kBlock);
   constexpr int kPackets = kBlock * kBlock / 8 / kThreads;  // row packets per thread
   float v[kPackets][8], row_amax[kPackets];
   bool finite = true;
@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < kPackets; ++k) a = fmaxf(a, row_amax[k]);
       tile_exponent = fp8_block_scale_exponent(block_max(a), Fp8Format::E4M3);
       if (threadIdx.x == 0) {
-        if (out.q != nullptr) out.q_dequant[blockIdx.y * col_blocks + blockIdx.x] = fp8_power_of_two(-tile_exponent);
-        if (out.qt != nullptr) out.qt_dequant[blockIdx.x * row_blocks + blockIdx.y] = fp8_power_of_two(-tile_exponent);
+        if (out.q != nullptr) out.q_dequant[blockIdx.y * q_tile_row + blockIdx.x] = fp8_power_of_two(-tile_exponent);
+        if (out.qt != nullptr) out.qt_dequant[blockIdx.x * qt_tile_row + blockIdx.y] = fp8_power_of_two(-tile_exponent);
       }
     }
     if (out.q != nullptr) {
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kThreads)
         const int e = tile_scale ? tile_exponent : fp8_block_scale_exponent(row_amax[k], Fp8Format::E4M3);
         *reinterpret_cast<uint2*>(out.q + static_cast<size_t>(row0 + r) * cols + col0 + c) =
             pack_fp8x8<__NV_E4M3>(v[k], fp8_power_of_two(e));
-        if (!tile_scale && c == 0) out.q_dequant[static_cast<size_t>(row0 + r) * col_blocks + blockIdx.x] = fp8_power_of_two(-e);
+        if (!tile_scale && c == 0) out.q_dequant[static_cast<size_t>(blockIdx.x) * rows + row0 + r] = fp8_power_of_two(-e);
       }
     }
     if (out.qt != nullptr) {  // column c of the tile, its rows half * 64 ...: one 64-byte run of qt's row
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < kBlock / 16; ++j)
         *reinterpret_cast<uint2*>(dst + 8 * j) = pack_fp8x8<__NV_E4M3>(w[j], fp8_power_of_two(e));
-      if (!tile_scale && half == 0) out.qt_dequant[static_cast<size_t>(col0 + c) * row_blocks + blockIdx.y] = fp8_power_of_two(-e);
+      if (!tile_scale && half == 0) out.qt_dequant[static_cast<size_t>(blockIdx.y) * cols + col0 + c] = fp8_power_of_two(-e);
     }
   } else if (threadIdx.x == 0) {
     atomicMax(out.bad, out.bad_value);

@@ -56,11 +56,15 @@ void quantize_fp8_transposed(uint8_t* qt, uint8_t* q, float* amax, const bf16* x
 // Block scaling (src/fp8.hpp: fp8_block_copy is the specification, fp8_block_scale_exponent the shared scale
 // rule): x [rows, cols] (multiples of 128) into the e4m3 copies a block-scaled GEMM reads, both from one read
 // of x: q [rows, cols] with one dequantization factor (1 / scale, a power of two) per 1 x 128 block of its
-// rows, q_dequant [rows, cols / 128]; qt [cols, rows] with one per 1 x 128 block of its rows, i.e. per
-// 128 x 1 block of x, qt_dequant [cols, rows / 128]. With `tile` (weights) one factor per 128 x 128 tile
-// instead: q_dequant [rows / 128, cols / 128], qt_dequant [cols / 128, rows / 128]. Either copy may be null.
+// rows; qt [cols, rows] with one per 1 x 128 block of its rows, i.e. per 128 x 1 block of x. With `tile`
+// (weights) one factor per 128 x 128 tile instead. The factors are laid out as cuBLASLt reads them
+// (Fp8Scales, cublaslt.cuh): row blocks as [K / 128, rows] with the row fastest (q_dequant [cols / 128,
+// rows], qt_dequant [rows / 128, cols]); tiles as [rows / 128, fp8_tile_factor_row(K / 128)] (q_dequant
+// [rows / 128, fp8_tile_factor_row(cols / 128)], qt_dequant [cols / 128, fp8_tile_factor_row(rows / 128)]),
+// the padding never written. Either copy may be null.
 // A tile holding a value that is not finite is not written, and *bad becomes max(*bad, bad_value) (a
 // positive bad_value names the tensor; an atomic max, so the result does not depend on the blocks' order).
+constexpr int fp8_tile_factor_row(int k_blocks) { return (k_blocks + 3) / 4 * 4; }
 struct Fp8BlockCopies {
   uint8_t* q = nullptr;
   float* q_dequant = nullptr;

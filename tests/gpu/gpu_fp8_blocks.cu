@@ -44,7 +44,9 @@ std::vector<float> spread_rows(int rows, int cols, uint64_t seed) {
 
 TEST(GpuFp8Blocks, QuantizeEqualsTheHostBlockCopy) {
   SKIP_WITHOUT_GPU();
-  const int rows = 256, cols = 384, row_blocks = rows / kFp8Block, col_blocks = cols / kFp8Block;
+  const int rows = 256, cols = 384;  // 2 and 3 blocks: the tile factors' rows are padded to 4
+  const int q_tile_row = coda::unfused::fp8_tile_factor_row(cols / kFp8Block),
+            qt_tile_row = coda::unfused::fp8_tile_factor_row(rows / kFp8Block);
   const size_t n = static_cast<size_t>(rows) * cols;
   std::vector<float> x = spread_rows(rows, cols, 4);
   coda::test::DeviceBuffer<bf16> dx(x);
@@ -67,8 +69,8 @@ TEST(GpuFp8Blocks, QuantizeEqualsTheHostBlockCopy) {
     for (int r = 0; r < rows; ++r)
       for (int c = 0; c < cols; ++c) {
         const size_t i = static_cast<size_t>(r) * cols + c;
-        const float row_factor = tile ? f_q[(r / kFp8Block) * col_blocks + c / kFp8Block] : f_q[r * col_blocks + c / kFp8Block];
-        const float col_factor = tile ? f_qt[(c / kFp8Block) * row_blocks + r / kFp8Block] : f_qt[c * row_blocks + r / kFp8Block];
+        const float row_factor = tile ? f_q[(r / kFp8Block) * q_tile_row + c / kFp8Block] : f_q[(c / kFp8Block) * rows + r];
+        const float col_factor = tile ? f_qt[(c / kFp8Block) * qt_tile_row + r / kFp8Block] : f_qt[(r / kFp8Block) * cols + c];
         const float from_q = coda::fp8_decode(got_q[i], Fp8Format::E4M3) * row_factor;
         const float from_qt = coda::fp8_decode(got_qt[static_cast<size_t>(c) * rows + r], Fp8Format::E4M3) * col_factor;
         if ((from_q != rows_copy[i] || from_qt != cols_copy[i]) && ++mismatches <= 5)
@@ -89,11 +91,14 @@ TEST(GpuFp8Blocks, QuantizeEqualsTheHostBlockCopy) {
 
 // D[M, N] = sum over k of decode(A) fa(block) decode(B) fb(block), with A's factors per 1 x 128 row block and
 // B's per 128 x 128 tile (the forward and dgrad) or per 1 x 128 row block (the weight gradient); factors
-// random powers of two over 2^-12 .. 2^3.
+// random powers of two over 2^-12 .. 2^3. The limit is that of the hand-written FP8 GEMM (gpu_fp8.cu): the
+// block-scaled kernel scales each 128-deep partial sum, which wgmma adds with fewer bits than fp32 (measured
+// 2.0e-4 and 2.3e-4 on H100, K = 640); a factor read from the wrong place is off by a power of two, i.e.
+// errors of order 1.
 TEST(GpuFp8Blocks, CublasLtBlockScaledGemmEqualsTheDecodedProduct) {
   SKIP_WITHOUT_GPU();
   coda::CublasLt cublas;
-  const int M = 256, N = 384, K = 512, kb = K / kFp8Block;
+  const int M = 256, N = 384, K = 640, kb = K / kFp8Block, tile_row = coda::unfused::fp8_tile_factor_row(kb);
   coda::Rng rng(21);
   const auto codes = [&](size_t count) {
     std::vector<uint8_t> q(count);
@@ -106,21 +111,21 @@ TEST(GpuFp8Blocks, CublasLtBlockScaledGemmEqualsTheDecodedProduct) {
     return f;
   };
   const std::vector<uint8_t> a = codes(static_cast<size_t>(M) * K), b = codes(static_cast<size_t>(N) * K);
-  const std::vector<float> fa = factors(static_cast<size_t>(M) * kb);
+  const std::vector<float> fa = factors(static_cast<size_t>(kb) * M);
   coda::test::DeviceCopy<uint8_t> da(a), db(b);
   coda::test::DeviceBuffer<float> dfa(fa);
   for (coda::Fp8Scales b_scales : {coda::Fp8Scales::Tiles128, coda::Fp8Scales::Rows128}) {
     const bool tiles = b_scales == coda::Fp8Scales::Tiles128;
     SCOPED_TRACE(tiles ? "B in 128 x 128 tiles" : "B in 1 x 128 blocks");
-    const std::vector<float> fb = factors(tiles ? static_cast<size_t>(N / kFp8Block) * kb : static_cast<size_t>(N) * kb);
+    const std::vector<float> fb = factors(tiles ? static_cast<size_t>(N / kFp8Block) * tile_row : static_cast<size_t>(kb) * N);
     coda::test::DeviceBuffer<float> dfb(fb);
     std::vector<double> expected(static_cast<size_t>(M) * N, 0.0), magnitude(expected.size(), 0.0);
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < N; ++j)
         for (int k = 0; k < K; ++k) {
-          const double b_factor = tiles ? fb[(j / kFp8Block) * kb + k / kFp8Block] : fb[j * kb + k / kFp8Block];
+          const double b_factor = tiles ? fb[(j / kFp8Block) * tile_row + k / kFp8Block] : fb[(k / kFp8Block) * N + j];
           const double term = static_cast<double>(coda::fp8_decode(a[static_cast<size_t>(i) * K + k], Fp8Format::E4M3)) *
-                              fa[i * kb + k / kFp8Block] *
+                              fa[(k / kFp8Block) * M + i] *
                               coda::fp8_decode(b[static_cast<size_t>(j) * K + k], Fp8Format::E4M3) * b_factor;
           expected[static_cast<size_t>(i) * N + j] += term;
           magnitude[static_cast<size_t>(i) * N + j] += std::fabs(term);
@@ -134,7 +139,7 @@ TEST(GpuFp8Blocks, CublasLtBlockScaledGemmEqualsTheDecodedProduct) {
       const double e = std::fabs(got[i] - 0.5 - expected[i]) / (magnitude[i] + 1e-30);
       worst = std::isnan(e) ? INFINITY : std::fmax(worst, e);
     }
-    EXPECT_LT(worst, 1e-4) << "relative to sum |terms|";
+    EXPECT_LT(worst, 1e-3) << "relative to sum |terms|";
   }
   EXPECT_THROW(cublas.gemm_fp8(static_cast<float*>(nullptr), da.get(), Fp8Format::E4M3, dfa.get(), db.get(),
                                Fp8Format::E4M3, dfa.get(), 200, N, K, false, nullptr, coda::Fp8Scales::Rows128,
