@@ -224,6 +224,12 @@ void bench_model(const std::string& name, const coda::ModelConfig& c, int B, int
          [&](int s) { uf::quantize_fp8_transposed(q8t, nullptr, amax, h[s], N, C, scale, coda::Fp8Format::E4M3, 0); });
   report(name, "quantize_fp8 e4m3 both copies", 4.0 * NC, static_cast<int>(h.size()),
          [&](int s) { uf::quantize_fp8_transposed(q8t, q8, amax, h[s], N, C, scale, coda::Fp8Format::E4M3, 0); });
+  // Block scaling's copies of the same activation: a factor per 1 x 128 row block and per 128 x 1 column block.
+  float* row_factors = pool.alloc<float>(NC / 128);
+  float* column_factors = pool.alloc<float>(NC / 128);
+  unsigned int* bad = pool.alloc<unsigned int>(1);
+  report(name, "quantize_fp8_blocks both copies", 4.0 * NC + 8.0 * NC / 128, static_cast<int>(h.size()),
+         [&](int s) { uf::quantize_fp8_blocks({q8, row_factors, q8t, column_factors, bad, 1}, h[s], N, C, false, 0); });
 
   // MLP activations and biases.
   const auto up = random_sets(input_sets(static_cast<double>(N) * U * 2), static_cast<size_t>(N) * U, 2.0f);
