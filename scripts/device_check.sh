@@ -65,7 +65,7 @@ if [[ -n "${CODA_CHECK_PROGRAMS:-}" ]]; then
   grep -E '^\| (program|gpt2|llama)' "$logs/bench_programs.log"
 fi
 
-bench() {  # name config B T
+bench() {  # name config B T FP8_SCALINGS (the fp8 recipes timed beside per-tensor scaling)
   echo "== coda bench $1 (B=$3, T=$4)"
   timed() {  # log name, config, B, T, then more flags: 30 timed steps, the JSON beside the log
     local out=$1 config=$2 batch=$3 seq=$4
@@ -75,16 +75,18 @@ bench() {  # name config B T
   }
   timed "bench_$1" "$2" "$3" "$4" --deterministic
   timed "bench_$1_fp8" "$2" "$3" "$4" --kernels unfused --precision fp8
-  timed "bench_$1_fp8_block" "$2" "$3" "$4" --kernels unfused --precision fp8 --fp8_scaling block
+  for scaling in $5; do
+    timed "bench_$1_fp8_$scaling" "$2" "$3" "$4" --kernels unfused --precision fp8 --fp8_scaling "$scaling"
+  done
   CODA_BARE_GEMMS=handwritten timed "bench_$1_bare_handwritten" "$2" "$3" "$4" --kernels coda
   for mode in coda unfused; do
     CODA_PROFILE=1 "$bin/coda" bench --config "$2" --batch_size "$3" --seq_len "$4" --warmup 30 --steps 2 \
       --energy_seconds 0 --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
   done
 }
-bench gpt2-124m configs/gpt2-124m.toml 32 1024
-bench llama3.2-1b configs/llama3.2-1b.toml 8 2048
-bench qwen2.5-0.5b configs/qwen2.5-0.5b.toml 16 2048
+bench gpt2-124m configs/gpt2-124m.toml 32 1024 block
+bench llama3.2-1b configs/llama3.2-1b.toml 8 2048 "block mlp_down"
+bench qwen2.5-0.5b configs/qwen2.5-0.5b.toml 16 2048 block
 
 echo "== ZeRO-1 training run against the plain one (tiny-gpt2, 40 steps, mpirun -np 1)"
 data=$(mktemp -d)
@@ -153,10 +155,10 @@ printf '%-14s %-28s %9s %9s %7s %8s %8s %7s %7s %9s %8s\n' model backend "ms/ste
   "J/step" "SM MHz" "tokens/J" anchor
 for run in gpt2-124m:62.65 llama3.2-1b:242 qwen2.5-0.5b:-; do
   name=${run%%:*} anchor=${run##*:}
-  python3 - "$logs/bench_$name.json" "$logs/bench_${name}_fp8.json" "$logs/bench_${name}_fp8_block.json" \
-    "$logs/bench_${name}_bare_handwritten.json" "$name" "$anchor" <<'PY'
+  python3 - "$logs/bench_$name.json" "$logs/bench_${name}_bare_handwritten.json" "$name" "$anchor" \
+    "$logs/bench_${name}_fp8"*.json <<'PY'
 import json, sys
-bf16, fp8, fp8_block, bare, name, anchor = sys.argv[1:]
+bf16, bare, name, anchor, *fp8_runs = sys.argv[1:]
 def fig(value, spec):
     return format(value, spec) if value else "-"
 def rows(path, keep):
@@ -169,7 +171,7 @@ bare_rows = rows(bare, lambda r: True)
 for r in bare_rows:
     r["backend"] += " bare-handwritten"
 fp8_rows = lambda r: "fp8" in r["backend"]
-for r in rows(bf16, lambda r: True) + rows(fp8, fp8_rows) + rows(fp8_block, fp8_rows) + bare_rows:
+for r in rows(bf16, lambda r: True) + [r for path in fp8_runs for r in rows(path, fp8_rows)] + bare_rows:
     mfu = f"{100 * r['mfu']:.1f}%" if r.get('mfu') else "-"
     print(f"{name:<14} {r['backend']:<28} {r['median_ms']:9.2f} {r['tokens_per_s']:9.0f} {mfu:>7} "
           f"{fig(r['forward_ms'], '8.2f'):>8} {fig(r['backward_ms'], '8.2f'):>8} {fig(r['joules_per_step'], '7.2f'):>7} "

@@ -13,14 +13,15 @@
 #   TRAIN_FLAGS="--batch_size 4"     more flags for every run (both precisions alike)
 #   FP8_LINEARS=qkv,attn_proj        the block linears of the fp8 runs (default all four); the runs go to
 #                                    NAME-fp8-qkv,attn_proj and are compared with the same bf16 runs
-#   FP8_SCALING=block                the fp8 runs' fp8_scaling (default tensor); the runs go to NAME-fp8-block
+#   FP8_SCALING=block                the fp8 runs' fp8_scaling (default tensor; block, or the linears with
+#                                    block scales, e.g. mlp_down); the runs go to NAME-fp8-block, NAME-fp8-mlp_down
 # Needs a GPU for the big configs (a 1000-step run on one H100: about 1.2 min for gpt2-124m, 2.2 min for
 # llama3.2-1b at --batch_size 4). The summary passes when fp8's final validation loss is within 1% of bf16's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [[ $# -lt 2 ]]; then
-  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 train=$1 val=$2 steps=${3:-1000}

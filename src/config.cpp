@@ -159,8 +159,10 @@ void RunConfig::validate() const {
           "precision = fp8 runs in the unfused mode (the coda programs are bf16): set kernels = unfused or auto");
   require(fp8_history >= 1 && fp8_history <= 1024, "fp8_history must be in [1, 1024]");
   require(fp8_margin >= 0 && fp8_margin <= 16, "fp8_margin must be in [0, 16]");
-  parse_fp8_linears(fp8_linears);
-  parse_fp8_scaling(fp8_scaling);
+  const unsigned fp8_covered = parse_fp8_linears(fp8_linears), fp8_block = parse_fp8_scaling(fp8_scaling);
+  require(fp8_scaling == "block" || (fp8_block & ~fp8_covered) == 0,
+          "fp8_scaling = \"" + fp8_scaling + "\" names a linear that fp8_linears = \"" + fp8_linears +
+              "\" keeps in bf16");
   require(!out.empty(), "out must not be empty");
   require(log_every >= 1, "log_every must be >= 1");
   require(val_every >= 0, "val_every must be >= 0 (0: never)");
@@ -245,7 +247,8 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "fp8_margin", c.fp8_margin, "fp8: powers of two of headroom below the format's largest value");
   key("run", "fp8_linears", c.fp8_linears, "fp8: the block linears in FP8 (comma-separated: qkv, attn_proj, mlp_up, mlp_down)");
   key("run", "fp8_scaling", c.fp8_scaling,
-      "fp8: tensor (delayed per-tensor scales) | block (a scale per 128-value block; widths and B*T multiples of 128)");
+      "fp8: tensor (delayed per-tensor scales) | block (a scale per 128-value block; widths and B*T multiples of "
+      "128) | the linears with block scales, the others per tensor (comma-separated, e.g. mlp_down)");
   key("run", "deterministic", c.deterministic,
       "cuda: sums in a fixed order, so a seed gives bitwise the same run (no split-K, ordered attention dQ)");
   key("run", "out", c.out, "run directory (metrics, config, checkpoints)");

@@ -50,7 +50,7 @@ struct RunConfig {
   int fp8_history = 16;          // fp8: steps of amax history behind each scale
   int fp8_margin = 0;            // fp8: powers of two of headroom below the format's largest value
   std::string fp8_linears = "qkv,attn_proj,mlp_up,mlp_down";  // fp8: the block linears run in FP8
-  std::string fp8_scaling = "tensor";  // fp8: tensor (delayed, per tensor) | block (per 128-value block)
+  std::string fp8_scaling = "tensor";  // fp8: tensor | block | the linears with block scales (parse_fp8_scaling)
   bool deterministic = false;    // cuda: every sum in a fixed order, bitwise reproducible steps (slower)
   std::string out = "runs/default";
   uint64_t seed = 1337;

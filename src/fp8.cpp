@@ -66,9 +66,9 @@ const char* fp8_linear_name(int linear) {
   return names[linear];
 }
 
-unsigned parse_fp8_linears(const std::string& names) {
-  const auto refuse = [&names](const std::string& why) {
-    return std::invalid_argument("fp8_linears = \"" + names + "\": " + why +
+unsigned parse_fp8_linears(const std::string& names, const std::string& key) {
+  const auto refuse = [&](const std::string& why) {
+    return std::invalid_argument(key + " = \"" + names + "\": " + why +
                                  "; give a comma-separated list of qkv, attn_proj, mlp_up, mlp_down");
   };
   unsigned linears = 0;
@@ -96,12 +96,28 @@ std::string fp8_tensor_name(int index, int n_layer) {
   return "layer " + std::to_string(layer) + " " + fp8_linear_name(index % kFp8Linears) + " " + roles[index / per_role];
 }
 
-const char* fp8_scaling_name(Fp8Scaling scaling) { return scaling == Fp8Scaling::Tensor ? "tensor" : "block"; }
+unsigned parse_fp8_scaling(const std::string& value) {
+  if (value == "tensor") return 0;
+  if (value == "block") return (1u << kFp8Linears) - 1;
+  try {
+    return parse_fp8_linears(value, "fp8_scaling");
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(e.what()) + " (the linears with block scales), or tensor or block");
+  }
+}
 
-Fp8Scaling parse_fp8_scaling(const std::string& name) {
-  for (Fp8Scaling scaling : {Fp8Scaling::Tensor, Fp8Scaling::Block})
-    if (name == fp8_scaling_name(scaling)) return scaling;
-  throw std::invalid_argument("fp8_scaling must be tensor or block, got \"" + name + "\"");
+std::string Fp8Recipe::name() const {
+  if (!any_block()) return "fp8";
+  if (!any_tensor()) return "fp8-block";
+  std::string name = "fp8-block";
+  char separator = '-';
+  for (int linear = 0; linear < kFp8Linears; ++linear)
+    if (block(linear)) {
+      name += separator;
+      name += fp8_linear_name(linear);
+      separator = '+';
+    }
+  return name;
 }
 
 float fp8_block_scale(float amax, Fp8Format format) {

@@ -9,8 +9,8 @@
 // Delayed scaling: a tensor is stored as encode(x * scale) and read as decode(q) / scale; the scale comes
 // from the largest |x| seen over the last `history` steps (amax history), scale = largest_finite /
 // (amax * 2^margin), so this step's values are quantized with a scale known before they exist.
-// Block scaling (fp8_scaling = "block"): one scale per block of 128 values along the K of the GEMM that
-// reads the copy, or per 128 x 128 tile of a weight; see fp8_block_copy.
+// Block scaling (fp8_scaling = "block", or a list of the linears that take it): one scale per block of 128
+// values along the K of the GEMM that reads the copy, or per 128 x 128 tile of a weight; see fp8_block_copy.
 // The FP8 training recipe (docs/FP8.md) runs the block linears in FP8; Fp8Recipe holds its numbers,
 // Fp8ScalingState what a checkpoint keeps of it, and the fp8_tensor_* functions the one order of the
 // scaled tensors that the CPU reference, the GPU and the checkpoint share.
@@ -31,22 +31,22 @@ float fp8_decode(uint8_t code, Fp8Format format);
 // fp8_decode(fp8_encode(x)) without the code, by rounding x's float bits: the emulation's inner loop.
 float fp8_round(float x, Fp8Format format);
 
-// Tensor: per-tensor delayed scaling (Fp8DelayedScale). Block: per-block current scaling (fp8_block_copy).
-enum class Fp8Scaling { Tensor, Block };
-const char* fp8_scaling_name(Fp8Scaling scaling);  // "tensor", "block"
-Fp8Scaling parse_fp8_scaling(const std::string& name);  // std::invalid_argument naming both otherwise
-
 // precision = "fp8": on the block linears whose bits are set in `linears` (bit i: linear i in
-// fp8_linear_name's numbering; the others stay bf16, their scales unused), either delayed per-tensor scaling
-// over `history` steps with `margin` powers of two of headroom, or block scaling (history and margin unused).
+// fp8_linear_name's numbering; the others stay bf16, their scales unused), block scaling (fp8_block_copy:
+// per-block current scaling) where `block_linears` has the bit too, delayed per-tensor scaling
+// (Fp8DelayedScale) over `history` steps with `margin` powers of two of headroom elsewhere.
 struct Fp8Recipe {
   int history = 16;
   int margin = 0;
   unsigned linears = 0xF;
-  Fp8Scaling scaling = Fp8Scaling::Tensor;
+  unsigned block_linears = 0;
   bool covers(int linear) const { return linear >= 0 && linear < 32 && ((linears >> linear) & 1u); }
-  bool block() const { return scaling == Fp8Scaling::Block; }
-  const char* name() const { return block() ? "fp8-block" : "fp8"; }  // in backend and mode names
+  bool block(int linear) const { return covers(linear) && ((block_linears >> linear) & 1u); }
+  bool any_block() const { return (linears & block_linears) != 0; }
+  bool any_tensor() const { return (linears & ~block_linears) != 0; }
+  // In backend and mode names: "fp8" (per-tensor scales), "fp8-block" (block scales on every FP8 linear),
+  // "fp8-block-mlp_down" (block scales on those linears, joined by '+').
+  std::string name() const;
 };
 
 // Block scaling. Each copy of a tensor is quantized in blocks of kFp8Block values along the K of the GEMM that
@@ -81,8 +81,11 @@ inline Fp8Format fp8_tensor_format(int index, int n_layer) {
 }
 const char* fp8_linear_name(int linear);              // "qkv", "attn_proj", "mlp_up", "mlp_down"
 // The bit set of a comma-separated list of those names ("qkv,mlp_up"); a name that is not one of them, a
-// repeated one or an empty list is an std::invalid_argument that lists the names.
-unsigned parse_fp8_linears(const std::string& names);
+// repeated one or an empty list is an std::invalid_argument that names the key and lists the names.
+unsigned parse_fp8_linears(const std::string& names, const std::string& key = "fp8_linears");
+// fp8_scaling: "tensor" (no linear with block scales), "block" (all of them) or the list of those with block
+// scales ("mlp_down"); the Fp8Recipe::block_linears it names.
+unsigned parse_fp8_scaling(const std::string& value);
 std::string fp8_tensor_name(int index, int n_layer);  // "layer 3 mlp_down output gradient"
 
 // A run's delayed-scaling state between steps: each scaled tensor's amax history, [tensor][history] in

@@ -26,12 +26,12 @@ std::pair<int, int> linear_shape(const ModelConfig& c, int linear) {
 
 Fp8Linears::Fp8Linears(DeviceState& state, CublasLt& cublas, const Fp8Recipe& recipe)
     : state_(state), cublas_(cublas), recipe_(recipe), count_(fp8_tensor_count(state.config().n_layer)) {
-  const int multiple = recipe.block() ? kFp8Block : 16;
   for (int linear = 0; linear < kFp8Linears; ++linear) {
+    const int multiple = recipe.block(linear) ? kFp8Block : 16;
     const auto [IC, OC] = linear_shape(state.config(), linear);
     if (covers(linear) && (IC % multiple != 0 || OC % multiple != 0))
       throw std::invalid_argument("precision = fp8: the FP8 GEMMs" +
-                                  std::string(recipe.block() ? " with block scales" : "") +
+                                  std::string(recipe.block(linear) ? " with block scales" : "") +
                                   " need the widths of each linear in FP8 to be multiples of " +
                                   std::to_string(multiple) + "; " + fp8_linear_name(linear) + " is " +
                                   std::to_string(OC) + " x " + std::to_string(IC));
@@ -44,8 +44,7 @@ void Fp8Linears::plan(ArenaPlan& plan) {
   const size_t N = static_cast<size_t>(state_.max_batch()) * state_.max_seq_len();
   const std::string scaling = "fp8 scaling", weights = "fp8 weight copies", saved = "activations saved for backward",
                     scratch = "scratch";
-  const bool block = recipe_.block();
-  if (!block) {
+  if (recipe_.any_tensor()) {
     plan.reserve(&scales_, count_, scaling);
     plan.reserve(&dequants_, static_cast<size_t>(count_) * unfused::kFp8DequantSlot, scaling);
     plan.reserve(&history_, static_cast<size_t>(count_) * recipe_.history, scaling);
@@ -53,6 +52,7 @@ void Fp8Linears::plan(ArenaPlan& plan) {
     plan.reserve(&eval_amax_, count_, scaling);
   }
   plan.reserve(&bad_, 1, scaling);
+  if (recipe_.any_block()) plan.reserve(&block_bad_, 1, scaling);
   linears_.assign(kFp8Linears * c.n_layer, Linear{});
   size_t max_ic = 0, max_oc = 0;
   for (int layer = 0; layer < c.n_layer; ++layer)
@@ -63,7 +63,7 @@ void Fp8Linears::plan(ArenaPlan& plan) {
       plan.reserve(&l.wq, static_cast<size_t>(OC) * IC, weights);
       plan.reserve(&l.wqT, static_cast<size_t>(OC) * IC, weights);
       plan.reserve(&l.xqT, N * IC, saved);
-      if (block) {
+      if (recipe_.block(linear)) {
         plan.reserve(&l.wq_dequant, static_cast<size_t>(OC / kFp8Block) * unfused::fp8_tile_factor_row(IC / kFp8Block),
                      weights);
         plan.reserve(&l.wqT_dequant, static_cast<size_t>(IC / kFp8Block) * unfused::fp8_tile_factor_row(OC / kFp8Block),
@@ -76,7 +76,7 @@ void Fp8Linears::plan(ArenaPlan& plan) {
   plan.reserve(&xq_, N * max_ic, scratch);
   plan.reserve(&dyq_, N * max_oc, scratch);
   plan.reserve(&dyqT_, N * max_oc, scratch);
-  if (block) {
+  if (recipe_.any_block()) {
     plan.reserve(&xq_dequant_, N * (max_ic / kFp8Block), scratch);
     plan.reserve(&dyq_dequant_, N * (max_oc / kFp8Block), scratch);
     plan.reserve(&dyqT_dequant_, N / kFp8Block * max_oc, scratch);
@@ -84,15 +84,15 @@ void Fp8Linears::plan(ArenaPlan& plan) {
 }
 
 void Fp8Linears::upload_initial_scales() {
-  if (recipe_.block()) {  // nothing to calibrate: every block's scale comes from its own values
-    CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), state_.stream()));
-    state_.wait_stream();
-    return;
-  }
-  const std::vector<float> ones(static_cast<size_t>(count_) * unfused::kFp8DequantSlot, 1.0f);
   const cudaStream_t stream = state_.stream();
-  CUDA_CHECK(cudaMemcpyAsync(scales_, ones.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
-  CUDA_CHECK(cudaMemcpyAsync(dequants_, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
+  // The block-scaled linears have nothing to calibrate: every block's scale comes from its own values.
+  if (recipe_.any_block()) CUDA_CHECK(cudaMemsetAsync(block_bad_, 0, sizeof(unsigned int), stream));
+  if (recipe_.any_tensor()) {
+    const std::vector<float> ones(static_cast<size_t>(count_) * unfused::kFp8DequantSlot, 1.0f);
+    CUDA_CHECK(cudaMemcpyAsync(scales_, ones.data(), count_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(dequants_, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  }
   state_.wait_stream();
   calibrated_ = false;
 }
@@ -101,7 +101,7 @@ Fp8Linears::~Fp8Linears() { cudaFreeHost(host_bad_); }
 
 void Fp8Linears::forward(bf16* y, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC,
                          bool training) {
-  if (recipe_.block()) return forward_blocks(y, x, layer, linear, w, N, IC, OC, training);
+  if (recipe_.block(linear)) return forward_blocks(y, x, layer, linear, w, N, IC, OC, training);
   const cudaStream_t stream = state_.stream();
   Linear& l = linears_[kFp8Linears * layer + linear];
   const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear);
@@ -123,7 +123,7 @@ void Fp8Linears::forward(bf16* y, const bf16* x, int layer, int linear, size_t w
 
 void Fp8Linears::backward(bf16* dx, const bf16* dy, const bf16* x, int layer, int linear, size_t w, int N, int IC,
                           int OC) {
-  if (recipe_.block()) return backward_blocks(dx, dy, layer, linear, w, N, IC, OC);
+  if (recipe_.block(linear)) return backward_blocks(dx, dy, layer, linear, w, N, IC, OC);
   const cudaStream_t stream = state_.stream();
   const Linear& l = linears_[kFp8Linears * layer + linear];
   const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear),
@@ -154,16 +154,16 @@ void Fp8Linears::forward_blocks(bf16* y, const bf16* x, int layer, int linear, s
   Linear& l = linears_[kFp8Linears * layer + linear];
   if (N % kFp8Block != 0) {
     if (training)
-      throw std::invalid_argument("precision = fp8 with fp8_scaling = block: a training micro-batch needs B*T a "
-                                  "multiple of 128, got " + std::to_string(N));
+      throw std::invalid_argument("precision = fp8 with block scales (fp8_scaling): a training micro-batch needs "
+                                  "B*T a multiple of 128, got " + std::to_string(N));
     cublas_.gemm(y, x, Op::N, state_.weight(w), Op::T, N, OC, IC, false, stream);  // an evaluation of a few tokens
     return;
   }
   const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear);
-  unfused::quantize_fp8_blocks({l.wq, l.wq_dequant, l.wqT, l.wqT_dequant, bad_, block_flag(tw)}, state_.weight(w), OC,
-                               IC, true, stream);
-  unfused::quantize_fp8_blocks({xq_, xq_dequant_, training ? l.xqT : nullptr, l.xqT_dequant, bad_, block_flag(tx)}, x,
-                               N, IC, false, stream);
+  unfused::quantize_fp8_blocks({l.wq, l.wq_dequant, l.wqT, l.wqT_dequant, block_bad_, block_flag(tw)},
+                               state_.weight(w), OC, IC, true, stream);
+  unfused::quantize_fp8_blocks({xq_, xq_dequant_, training ? l.xqT : nullptr, l.xqT_dequant, block_bad_, block_flag(tx)},
+                               x, N, IC, false, stream);
   cublas_.gemm_fp8(y, xq_, Fp8Format::E4M3, xq_dequant_, l.wq, Fp8Format::E4M3, l.wq_dequant, N, OC, IC, false, stream,
                    Fp8Scales::Rows128, Fp8Scales::Tiles128);
 }
@@ -172,8 +172,8 @@ void Fp8Linears::backward_blocks(bf16* dx, const bf16* dy, int layer, int linear
   const cudaStream_t stream = state_.stream();
   const Linear& l = linears_[kFp8Linears * layer + linear];
   const int tdy = tensor(Fp8Role::OutputGrad, layer, linear);
-  unfused::quantize_fp8_blocks({dyq_, dyq_dequant_, dyqT_, dyqT_dequant_, bad_, block_flag(tdy)}, dy, N, OC, false,
-                               stream);
+  unfused::quantize_fp8_blocks({dyq_, dyq_dequant_, dyqT_, dyqT_dequant_, block_bad_, block_flag(tdy)}, dy, N, OC,
+                               false, stream);
   cublas_.gemm_fp8(dx, dyq_, Fp8Format::E4M3, dyq_dequant_, l.wqT, Fp8Format::E4M3, l.wqT_dequant, N, IC, OC, false,
                    stream, Fp8Scales::Rows128, Fp8Scales::Tiles128);
   cublas_.gemm_fp8(state_.grad(w), dyqT_, Fp8Format::E4M3, dyqT_dequant_, l.xqT, Fp8Format::E4M3, l.xqT_dequant, OC,
@@ -182,20 +182,20 @@ void Fp8Linears::backward_blocks(bf16* dx, const bf16* dy, int layer, int linear
 
 void Fp8Linears::close_step(int step, Communicator* comm) {
   const cudaStream_t stream = state_.stream();
-  if (recipe_.block()) {
-    float* flag = reinterpret_cast<float*>(bad_);
+  if (recipe_.any_block()) {
+    float* flag = reinterpret_cast<float*>(block_bad_);
     if (comm != nullptr) state_.all_reduce_max(*comm, flag, 1);
     float flagged = 0.0f;
     CUDA_CHECK(cudaMemcpyAsync(&flagged, flag, sizeof flagged, cudaMemcpyDeviceToHost, stream));
-    CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
+    CUDA_CHECK(cudaMemsetAsync(block_bad_, 0, sizeof(unsigned int), stream));
     state_.wait_stream();
     if (flagged > 0.0f)
       throw std::runtime_error("fp8 block scaling: " +
                                fp8_tensor_name(static_cast<int>(flagged) - 1, state_.config().n_layer) +
                                " held a value that is not finite in step " + std::to_string(step + 1) +
                                " (an overflow or NaN upstream); the step is not applied");
-    return;
   }
+  if (!recipe_.any_tensor()) return;
   if (comm != nullptr) state_.all_reduce_max(*comm, amax_, count_);
   CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
   const int e4m3 = 2 * kFp8Linears * state_.config().n_layer;  // the inputs and weights come first (fp8.hpp)
@@ -215,7 +215,7 @@ void Fp8Linears::close_step(int step, Communicator* comm) {
 
 Fp8ScalingState Fp8Linears::read_state() {
   Fp8ScalingState state;
-  if (!calibrated_ || recipe_.block()) return state;
+  if (!calibrated_ || !recipe_.any_tensor()) return state;
   state.history = recipe_.history;
   state.amax.resize(static_cast<size_t>(count_) * recipe_.history);
   CUDA_CHECK(cudaMemcpyAsync(state.amax.data(), history_, state.amax.size() * sizeof(float), cudaMemcpyDeviceToHost,
@@ -225,7 +225,7 @@ Fp8ScalingState Fp8Linears::read_state() {
 }
 
 void Fp8Linears::load_state(const Fp8ScalingState& loaded) {
-  if (recipe_.block()) {
+  if (!recipe_.any_tensor()) {
     if (!loaded.empty())
       throw std::invalid_argument("fp8 scaling state of delayed scaling given to a run with fp8_scaling = block");
     return;

@@ -17,12 +17,13 @@
 // micro-batch for llama3.2-1b).
 // Shapes: training needs N = B*T a multiple of 16 (the weight gradient's K); every IC and OC of the model a
 // multiple of 16 (checked at construction). An evaluation forward takes any N.
-// Block scaling (Fp8Recipe::block, fp8_scaling = "block"): every copy e4m3 with a factor per block
-// (unfused::quantize_fp8_blocks): x in 1 x 128 row blocks (xq) and 128 x 1 column blocks (xqT), W in 128 x 128
-// tiles (wq and wqT share them), dy likewise in both; the GEMMs take the factors as cuBLASLt's block scales.
-// No history, no calibration step, no state; a tile with a value that is not finite flags its tensor, and
-// close_step stops the run naming it. Widths and training N multiples of 128; an evaluation forward whose
-// N is not runs that linear in bf16.
+// Block scaling (Fp8Recipe::block(linear): fp8_scaling = "block" for every linear, or a list of them): every
+// copy e4m3 with a factor per block (unfused::quantize_fp8_blocks): x in 1 x 128 row blocks (xq) and 128 x 1
+// column blocks (xqT), W in 128 x 128 tiles (wq and wqT the same tiles), dy likewise in both; the GEMMs take
+// the factors as cuBLASLt's block scales. Such a linear records no amax, needs no calibration step and runs
+// in FP8 from the first step; a tile with a value that is not finite flags its tensor, and close_step stops
+// the run naming it. Its widths and the training N multiples of 128; an evaluation forward whose N is not
+// runs that linear in bf16. The other linears of the recipe keep per-tensor delayed scaling, above.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -83,8 +84,9 @@ class Fp8Linears {
   float* history_ = nullptr;       // [count, history]
   float* amax_ = nullptr;          // [count], this step's, gathered by the quantize calls
   float* eval_amax_ = nullptr;     // [count], what evaluation forwards record into (never read)
-  unsigned int* bad_ = nullptr;    // [1], fp8_update_scales's first non-finite tensor + 1; block scaling: the
-                                   // float bits of the largest flagged tensor + 1 (a float, for all_reduce_max)
+  unsigned int* bad_ = nullptr;    // [1], fp8_update_scales's first non-finite tensor + 1
+  unsigned int* block_bad_ = nullptr;  // [1], block scaling: the float bits of the largest flagged tensor + 1
+                                       // (a float, for all_reduce_max)
   unsigned int* host_bad_ = nullptr;  // pinned [1]
   struct Linear {
     uint8_t* wq = nullptr;   // [OC, IC]

@@ -86,7 +86,7 @@ static void norm_backward(const ModelConfig& c, float* dx, float* dw, float* db,
 
 void RefModel::enable_fp8(const Fp8Recipe& recipe) {
   fp8_scales_.clear();
-  for (int t = 0; t < fp8_tensor_count(config.n_layer) && !recipe.block(); ++t)
+  for (int t = 0; t < fp8_tensor_count(config.n_layer) && recipe.any_tensor(); ++t)
     fp8_scales_.emplace_back(fp8_tensor_format(t, config.n_layer), recipe.history, recipe.margin);
   fp8_copies_.assign(kFp8Linears * config.n_layer, {});
   fp8_recipe_ = recipe;
@@ -112,7 +112,7 @@ Fp8ScalingState RefModel::fp8_state() const {
 }
 
 void RefModel::load_fp8_state(const Fp8ScalingState& state) {
-  if (fp8_recipe_.block() && !state.empty())
+  if (!fp8_recipe_.any_tensor() && !state.empty())
     throw std::invalid_argument("fp8 scaling state of delayed scaling given to a run with fp8_scaling = block");
   check_fp8_state(state, fp8_scales_.empty() ? std::nullopt : std::optional<int>(fp8_recipe_.history), config.n_layer);
   if (state.empty()) return;
@@ -148,7 +148,7 @@ void RefModel::linear_forward(int layer, int linear, float* y, const float* x, s
                               int OC) {
   if (!fp8_recipe_.covers(linear)) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
   Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
-  if (fp8_recipe_.block()) {
+  if (fp8_recipe_.block(linear)) {
     q.x = fp8_block_copy(x, N, IC, 1, kFp8Block, Fp8Role::Input, layer, linear);
     q.x_t = fp8_block_copy(x, N, IC, kFp8Block, 1, Fp8Role::Input, layer, linear);
     q.w = fp8_block_copy(param(w), OC, IC, kFp8Block, kFp8Block, Fp8Role::Weight, layer, linear);
@@ -163,7 +163,7 @@ void RefModel::linear_backward(int layer, int linear, float* dx, const float* dy
                                int N, int IC, int OC) {
   if (!fp8_recipe_.covers(linear)) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
   const Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
-  if (fp8_recipe_.block()) {
+  if (fp8_recipe_.block(linear)) {
     const std::vector<float> dy_rows = fp8_block_copy(dy, N, OC, 1, kFp8Block, Fp8Role::OutputGrad, layer, linear);
     const std::vector<float> dy_cols = fp8_block_copy(dy, N, OC, kFp8Block, 1, Fp8Role::OutputGrad, layer, linear);
     matmul_backward(dx, nullptr, nullptr, dy_rows.data(), nullptr, q.w.data(), N, IC, OC);

@@ -71,11 +71,12 @@ class RefModel {
   // first step has closed there is no history: that step computes in fp32 and only records (calibration).
   // The LM head, norms, attention and loss stay fp32. fp8_end_step(step) closes optimizer step `step`
   // (0-based, after its micro-batches): every scale is updated for the next one.
-  // With block scaling (Fp8Recipe::block) every copy is e4m3 with a scale per block (fp8_block_copy): the
-  // forward reads the input in 1 x 128 blocks and the weight in 128 x 128 tiles, the dgrad the output
-  // gradient in 1 x 128 blocks and the same weight copy, the wgrad the output gradient and the input in
-  // 128 x 1 blocks (K = the tokens). No history, no calibration step, no state; a non-finite value in a
-  // copied tensor is a std::runtime_error naming it.
+  // A linear with block scaling (Fp8Recipe::block) has every copy in e4m3 with a scale per block
+  // (fp8_block_copy): the forward reads the input in 1 x 128 blocks and the weight in 128 x 128 tiles, the
+  // dgrad the output gradient in 1 x 128 blocks and the same weight copy, the wgrad the output gradient and
+  // the input in 128 x 1 blocks (K = the tokens). It records no amax (its histories stay 0), runs in FP8 from
+  // the first step on, and a non-finite value in one of its copies is a std::runtime_error naming it; a
+  // recipe with block scaling on every linear keeps no state.
   void enable_fp8(const Fp8Recipe& recipe);
   void fp8_end_step(int step);
   // The scaling state between steps (empty before the first step closes), and back (check_fp8_state).

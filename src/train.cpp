@@ -315,7 +315,7 @@ void load_fp8_state(Backend& backend, const RunConfig& config, const Fp8ScalingS
     if (!state.empty()) spdlog::info("resume {}: precision = bf16, the checkpoint's fp8 scaling state is not used", dir);
     return;
   }
-  if (config.fp8()->block()) {
+  if (!config.fp8()->any_tensor()) {
     if (!state.empty())
       spdlog::info("resume {}: fp8_scaling = block keeps no state, the checkpoint's per-tensor scaling state is not used",
                    dir);

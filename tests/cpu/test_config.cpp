@@ -83,7 +83,8 @@ coda::RunConfig random_config(uint64_t seed) {
   c.fp8_history = 1 + static_cast<int>(rng.below(64));
   c.fp8_margin = static_cast<int>(rng.below(4));
   c.fp8_linears = rng.below(2) ? "mlp_down,qkv" : "attn_proj";
-  c.fp8_scaling = rng.below(2) ? "block" : "tensor";
+  c.fp8_scaling = std::vector<std::string>{"block", "tensor", "mlp_down"}[rng.below(3)];
+  if (c.fp8_scaling == "mlp_down") c.fp8_linears = "mlp_down,qkv";
   c.deterministic = true;
   c.out = "runs/x y";
   c.seed = rng.next_u64();
@@ -339,7 +340,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"Fp8LinearUnknown", "", "--fp8_linears qkv,mlp", "fp8_linears = \"qkv,mlp\": \"mlp\" is not a block linear"},
         BadInput{"Fp8LinearTwice", "[run]\nfp8_linears = \"mlp_up,mlp_up\"\n", "", "\"mlp_up\" is listed twice"},
         BadInput{"Fp8LinearsEmpty", "", "--fp8_linears ''", "an empty name"},
-        BadInput{"Fp8ScalingUnknown", "[run]\nfp8_scaling = \"row\"\n", "", "fp8_scaling must be tensor or block, got \"row\""},
+        BadInput{"Fp8ScalingUnknown", "[run]\nfp8_scaling = \"row\"\n", "",
+                 "fp8_scaling = \"row\": \"row\" is not a block linear"},
+        BadInput{"Fp8BlockScalingOnABf16Linear", "", "--fp8_linears qkv --fp8_scaling mlp_down",
+                 "fp8_scaling = \"mlp_down\" names a linear that fp8_linears = \"qkv\" keeps in bf16"},
         BadInput{"BadDevice", "", "--device tpu", "device"},
         BadInput{"FileErrorsNameTheFile", "[model]\nbogus = 1\n", "", "bad.toml"},
         BadInput{"MissingConfigFile", nullptr, "", "bad.toml: file not found"},

@@ -234,9 +234,34 @@ TEST(Fp8, BlockCopyQuantizesEachBlockWithItsOwnScale) {
     x[7] = bad;
     EXPECT_FALSE(coda::fp8_block_copy(copy.data(), x.data(), rows, cols, 1, coda::kFp8Block, Fp8Format::E4M3));
   }
-  EXPECT_EQ(coda::parse_fp8_scaling("block"), coda::Fp8Scaling::Block);
-  EXPECT_EQ(coda::parse_fp8_scaling("tensor"), coda::Fp8Scaling::Tensor);
-  EXPECT_THROW(coda::parse_fp8_scaling("row"), std::invalid_argument);
+}
+
+// fp8_scaling names the linears with block scales: none, all, or a list; the recipe's name says which.
+TEST(Fp8, ScalingNamesTheBlockScaledLinears) {
+  EXPECT_EQ(coda::parse_fp8_scaling("tensor"), 0u);
+  EXPECT_EQ(coda::parse_fp8_scaling("block"), 0xFu);
+  EXPECT_EQ(coda::parse_fp8_scaling("mlp_down"), 0x8u);
+  EXPECT_EQ(coda::parse_fp8_scaling("mlp_down,qkv"), 0x9u);
+  try {
+    coda::parse_fp8_scaling("row");
+    ADD_FAILURE() << "an unknown scaling was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("fp8_scaling = \"row\""), std::string::npos) << what;
+    EXPECT_NE(what.find("tensor or block"), std::string::npos) << what;
+  }
+  const coda::Fp8Recipe tensor{16, 0}, block{16, 0, 0xF, 0xF}, down{16, 0, 0xF, 0x8}, two{16, 0, 0xF, 0x9};
+  EXPECT_EQ(tensor.name(), "fp8");
+  EXPECT_EQ(block.name(), "fp8-block");
+  EXPECT_EQ(down.name(), "fp8-block-mlp_down");
+  EXPECT_EQ(two.name(), "fp8-block-qkv+mlp_down");
+  EXPECT_TRUE(down.block(3));
+  EXPECT_FALSE(down.block(2));
+  EXPECT_TRUE(down.any_block() && down.any_tensor());
+  EXPECT_FALSE(block.any_tensor());
+  const coda::Fp8Recipe block_on_the_covered{16, 0, 0x8, 0xF};  // "block" over a subset: every FP8 linear
+  EXPECT_EQ(block_on_the_covered.name(), "fp8-block");
+  EXPECT_FALSE(block_on_the_covered.block(0)) << "a linear in bf16 has no scaling";
 }
 
 }  // namespace

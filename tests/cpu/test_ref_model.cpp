@@ -412,7 +412,7 @@ TEST(RefModel, Fp8EmulationTracksFp32Training) {
 TEST(RefModel, Fp8BlockScalingTracksFp32Training) {
   for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
     const std::vector<float> fp32 = fp8_training_run(config, std::nullopt).losses;
-    const Fp8Run fp8 = fp8_training_run(config, coda::Fp8Recipe{16, 0, 0xF, coda::Fp8Scaling::Block});
+    const Fp8Run fp8 = fp8_training_run(config, coda::Fp8Recipe{16, 0, 0xF, 0xF});
     const std::string name = arch_name(config.arch);
     EXPECT_NE(fp8.losses[0], fp32[0]) << name << ": block scaling quantizes from the first step";
     EXPECT_TRUE(fp8.state_empty) << name << ": block scaling keeps no state between steps";
@@ -435,7 +435,7 @@ TEST(RefModel, Fp8BlockScalingRefusesDelayedStateAndNonFiniteValues) {
   tensor_scaled.fp8_end_step(0);
   ref::RefModel block(config, B, T);
   block.init(9);
-  block.enable_fp8(coda::Fp8Recipe{4, 0, 0xF, coda::Fp8Scaling::Block});
+  block.enable_fp8(coda::Fp8Recipe{4, 0, 0xF, 0xF});
   try {
     block.load_fp8_state(tensor_scaled.fp8_state());
     ADD_FAILURE() << "a delayed-scaling state was accepted";
@@ -530,4 +530,53 @@ TEST(RefModel, Fp8RecipeRunsOnlyTheLinearsItCovers) {
   EXPECT_NE(down_only, fp32);
   EXPECT_NE(down_only, all);
   EXPECT_EQ(second_loss(coda::Fp8Recipe{2, 0, 0}, nullptr), fp32) << "a recipe without linears is the fp32 model";
+}
+
+// Block scales on some linears (fp8_scaling = "mlp_down"), per-tensor scales on the others: the block-scaled
+// linear is FP8 from the first step (which the others spend calibrating in fp32) and records no amax, so the
+// state holds histories for the per-tensor linears only; the two steps' losses differ from those of the fp32
+// model and of both uniform recipes, and a recipe with block scales everywhere refuses the mixed state.
+TEST(RefModel, Fp8MixedScalingBlockScalesTheNamedLinearsOnly) {
+  const ModelConfig config = llama_config();
+  const int B = 2, T = 7, n = coda::fp8_tensor_count(config.n_layer);
+  Rng rng(13);
+  const Batch batch = random_batch(B, T, config.vocab_size, rng);
+  const auto two_steps = [&](std::optional<coda::Fp8Recipe> recipe, coda::Fp8ScalingState* state) {
+    ref::RefModel model(config, B, T);
+    model.init(13);
+    if (recipe) model.enable_fp8(*recipe);
+    std::vector<float> losses;
+    for (int step = 0; step < 2; ++step) {
+      model.zero_grad();
+      losses.push_back(model.forward(batch.tokens.data(), batch.targets.data(), B, T, true));
+      model.backward(1.0f);
+      if (recipe) model.fp8_end_step(step);
+      for (size_t i = 0; i < model.params.size(); ++i) model.params[i] -= 1e-2f * model.grads[i];
+    }
+    if (state != nullptr) *state = model.fp8_state();
+    return losses;
+  };
+  const unsigned mlp_down = coda::parse_fp8_scaling("mlp_down");
+  coda::Fp8ScalingState state;
+  const std::vector<float> mixed = two_steps(coda::Fp8Recipe{2, 0, 0xF, mlp_down}, &state);
+  const std::vector<float> fp32 = two_steps(std::nullopt, nullptr), tensor = two_steps(coda::Fp8Recipe{2, 0}, nullptr),
+                           block = two_steps(coda::Fp8Recipe{2, 0, 0xF, 0xF}, nullptr);
+  EXPECT_EQ(tensor[0], fp32[0]) << "per-tensor scales calibrate in fp32 in the first step";
+  EXPECT_NE(mixed[0], fp32[0]) << "the block-scaled linear is FP8 from the first step";
+  EXPECT_NE(mixed[0], block[0]) << "the others are not";
+  EXPECT_NE(mixed[1], tensor[1]);
+  EXPECT_NE(mixed[1], block[1]);
+  ASSERT_EQ(state.amax.size(), static_cast<size_t>(n) * 2);
+  for (int t = 0; t < n; ++t) {
+    const bool per_tensor = t % coda::kFp8Linears != 3;
+    EXPECT_EQ(std::max(state.amax[2 * t], state.amax[2 * t + 1]) > 0.0f, per_tensor)
+        << coda::fp8_tensor_name(t, config.n_layer);
+  }
+  ref::RefModel resumed(config, B, T);
+  resumed.enable_fp8(coda::Fp8Recipe{2, 0, 0xF, mlp_down});
+  resumed.load_fp8_state(state);
+  EXPECT_EQ(resumed.fp8_state().amax, state.amax);
+  ref::RefModel all_block(config, B, T);
+  all_block.enable_fp8(coda::Fp8Recipe{2, 0, 0xF, 0xF});
+  EXPECT_THROW(all_block.load_fp8_state(state), std::invalid_argument);
 }

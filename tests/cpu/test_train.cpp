@@ -440,6 +440,8 @@ TEST_F(Training, BenchTimesEveryAvailableBackend) {
   EXPECT_EQ(with_fp8.back().backend, "cpu-fp8");
   c.fp8_scaling = "block";
   EXPECT_EQ(coda::bench(c, 1, 0).back().backend, "cpu-fp8-block") << "the recipe is in the name";
+  c.fp8_scaling = "mlp_down";
+  EXPECT_EQ(coda::bench(c, 1, 0).back().backend, "cpu-fp8-block-mlp_down");
   c.fp8_scaling = "tensor";
   c.precision = "bf16";
   EXPECT_THROW(coda::bench(c, 1, 0, nullptr, -1.0), std::invalid_argument) << "a negative energy window";

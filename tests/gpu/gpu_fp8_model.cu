@@ -97,7 +97,7 @@ constexpr double kBf16GradError = 1.5e-2;
 
 // Four steps of the GPU's FP8 mode against the emulation with the same recipe (the header above).
 void expect_steps_follow_the_emulation(coda::Arch arch, const coda::Fp8Recipe& recipe) {
-  const coda::ModelConfig c = fp8_model(arch, recipe.block());
+  const coda::ModelConfig c = fp8_model(arch, recipe.any_block());
   const coda::ParamLayout layout = coda::make_param_layout(c);
   const int B = 4, T = 64, steps = 4;
   std::vector<float> params(layout.total);
@@ -106,7 +106,7 @@ void expect_steps_follow_the_emulation(coda::Arch arch, const coda::Fp8Recipe& r
   auto emulated = coda::make_cpu_backend(c, B, T, recipe);
   auto full = coda::make_cpu_backend(c, B, T);
   auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, recipe, false});
-  EXPECT_EQ(gpu->name(), recipe.block() ? "cuda-unfused-fp8-block" : "cuda-unfused-fp8");
+  EXPECT_EQ(gpu->name(), "cuda-unfused-" + recipe.name());
   for (coda::Backend* backend : {emulated.get(), full.get(), gpu.get()}) backend->load_params(params.data());
   for (int step = 0; step < steps; ++step) {
     // The gradients of this step's batch from the same weights: the emulation's.
@@ -166,7 +166,14 @@ TEST_P(GpuFp8Model, ASubsetOfTheLinearsFollowsTheCpuEmulation) {
 // the first step on (no calibration), and no state on either side.
 TEST_P(GpuFp8Model, BlockScalingFollowsTheCpuEmulation) {
   SKIP_WITHOUT_GPU();
-  expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{16, 0, 0xF, coda::Fp8Scaling::Block});
+  expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{16, 0, 0xF, 0xF});
+}
+
+// Block scales on the MLP down projection only (fp8_scaling = "mlp_down"): that linear in FP8 from the first
+// step, the others calibrating first and then per-tensor, the down projection's histories 0 on both sides.
+TEST_P(GpuFp8Model, BlockScalingOnTheDownProjectionFollowsTheCpuEmulation) {
+  SKIP_WITHOUT_GPU();
+  expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{4, 0, 0xF, coda::parse_fp8_scaling("mlp_down")});
 }
 
 // The scaling state read after three steps, loaded with the weights and moments into a fresh backend,
