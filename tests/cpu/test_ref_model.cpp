@@ -494,56 +494,20 @@ TEST(RefModel, Fp8EvaluationLeavesTheScalesAndTheStateRoundTrips) {
   EXPECT_THROW(fp32.load_fp8_state(state), std::invalid_argument);
 }
 
-// A recipe that covers some of the block linears: only their tensors record an amax (the others' histories
-// stay 0, their scales unused), and only their GEMMs are FP8: with mlp_down alone in FP8 the second step's
-// loss differs from the fp32 one and from the one with every linear in FP8; with no linear it is fp32's.
-TEST(RefModel, Fp8RecipeRunsOnlyTheLinearsItCovers) {
-  const ModelConfig config = llama_config();
-  const int B = 2, T = 7, n = coda::fp8_tensor_count(config.n_layer);
-  Rng rng(12);
-  const Batch batch = random_batch(B, T, config.vocab_size, rng);
-  const auto second_loss = [&](std::optional<coda::Fp8Recipe> recipe, coda::Fp8ScalingState* state) {
-    ref::RefModel model(config, B, T);
-    model.init(12);
-    if (recipe) model.enable_fp8(*recipe);
-    float loss = 0.0f;
-    for (int step = 0; step < 2; ++step) {
-      model.zero_grad();
-      loss = model.forward(batch.tokens.data(), batch.targets.data(), B, T, true);
-      model.backward(1.0f);
-      if (recipe) model.fp8_end_step(step);
-      for (size_t i = 0; i < model.params.size(); ++i) model.params[i] -= 1e-2f * model.grads[i];
-    }
-    if (state != nullptr) *state = model.fp8_state();
-    return loss;
-  };
-  const unsigned mlp_down = coda::parse_fp8_linears("mlp_down");
-  coda::Fp8ScalingState state;
-  const float down_only = second_loss(coda::Fp8Recipe{2, 0, mlp_down}, &state);
-  ASSERT_EQ(state.amax.size(), static_cast<size_t>(n) * 2);
-  for (int t = 0; t < n; ++t) {
-    const bool covered = t % coda::kFp8Linears == 3;
-    EXPECT_EQ(std::max(state.amax[2 * t], state.amax[2 * t + 1]) > 0.0f, covered)
-        << coda::fp8_tensor_name(t, config.n_layer);
+// Two training steps of the small llama on one batch (plain gradient steps of 1e-2), FP8 per the recipe if
+// any: their losses, and the scaling state after them.
+struct TwoSteps {
+  ModelConfig config = llama_config();
+  int B = 2, T = 7;
+  uint64_t seed;
+  Batch batch;
+  explicit TwoSteps(uint64_t s) : seed(s) {
+    Rng rng(s);
+    batch = random_batch(B, T, config.vocab_size, rng);
   }
-  const float fp32 = second_loss(std::nullopt, nullptr), all = second_loss(coda::Fp8Recipe{2, 0}, nullptr);
-  EXPECT_NE(down_only, fp32);
-  EXPECT_NE(down_only, all);
-  EXPECT_EQ(second_loss(coda::Fp8Recipe{2, 0, 0}, nullptr), fp32) << "a recipe without linears is the fp32 model";
-}
-
-// Block scales on some linears (fp8_scaling = "mlp_down"), per-tensor scales on the others: the block-scaled
-// linear is FP8 from the first step (which the others spend calibrating in fp32) and records no amax, so the
-// state holds histories for the per-tensor linears only; the two steps' losses differ from those of the fp32
-// model and of both uniform recipes, and a recipe with block scales everywhere refuses the mixed state.
-TEST(RefModel, Fp8MixedScalingBlockScalesTheNamedLinearsOnly) {
-  const ModelConfig config = llama_config();
-  const int B = 2, T = 7, n = coda::fp8_tensor_count(config.n_layer);
-  Rng rng(13);
-  const Batch batch = random_batch(B, T, config.vocab_size, rng);
-  const auto two_steps = [&](std::optional<coda::Fp8Recipe> recipe, coda::Fp8ScalingState* state) {
+  std::vector<float> operator()(std::optional<coda::Fp8Recipe> recipe, coda::Fp8ScalingState* state = nullptr) const {
     ref::RefModel model(config, B, T);
-    model.init(13);
+    model.init(seed);
     if (recipe) model.enable_fp8(*recipe);
     std::vector<float> losses;
     for (int step = 0; step < 2; ++step) {
@@ -555,28 +519,55 @@ TEST(RefModel, Fp8MixedScalingBlockScalesTheNamedLinearsOnly) {
     }
     if (state != nullptr) *state = model.fp8_state();
     return losses;
-  };
+  }
+  // The two-step histories of a state: some amax recorded for exactly the tensors of `recording` linears.
+  void expect_recorded(const coda::Fp8ScalingState& state, unsigned recording) const {
+    const int n = coda::fp8_tensor_count(config.n_layer);
+    ASSERT_EQ(state.amax.size(), static_cast<size_t>(n) * 2);
+    for (int t = 0; t < n; ++t) {
+      const bool recorded = std::max(state.amax[2 * t], state.amax[2 * t + 1]) > 0.0f;
+      EXPECT_EQ(recorded, ((recording >> (t % coda::kFp8Linears)) & 1u) != 0) << coda::fp8_tensor_name(t, config.n_layer);
+    }
+  }
+};
+
+// A recipe that covers some of the block linears: only their tensors record an amax (the others' histories
+// stay 0, their scales unused), and only their GEMMs are FP8: with mlp_down alone in FP8 the second step's
+// loss differs from the fp32 one and from the one with every linear in FP8; with no linear it is fp32's.
+TEST(RefModel, Fp8RecipeRunsOnlyTheLinearsItCovers) {
+  const TwoSteps run(12);
+  const unsigned mlp_down = coda::parse_fp8_linears("mlp_down");
+  coda::Fp8ScalingState state;
+  const float down_only = run(coda::Fp8Recipe{2, 0, mlp_down}, &state)[1];
+  run.expect_recorded(state, mlp_down);
+  const float fp32 = run(std::nullopt)[1], all = run(coda::Fp8Recipe{2, 0})[1];
+  EXPECT_NE(down_only, fp32);
+  EXPECT_NE(down_only, all);
+  EXPECT_EQ(run(coda::Fp8Recipe{2, 0, 0})[1], fp32) << "a recipe without linears is the fp32 model";
+}
+
+// Block scales on some linears (fp8_scaling = "mlp_down"), per-tensor scales on the others: the block-scaled
+// linear is FP8 from the first step (which the others spend calibrating in fp32) and records no amax, so the
+// state holds histories for the per-tensor linears only; the two steps' losses differ from those of the fp32
+// model and of both uniform recipes, and a recipe with block scales everywhere refuses the mixed state.
+TEST(RefModel, Fp8MixedScalingBlockScalesTheNamedLinearsOnly) {
+  const TwoSteps run(13);
   const unsigned mlp_down = coda::parse_fp8_scaling("mlp_down");
   coda::Fp8ScalingState state;
-  const std::vector<float> mixed = two_steps(coda::Fp8Recipe{2, 0, 0xF, mlp_down}, &state);
-  const std::vector<float> fp32 = two_steps(std::nullopt, nullptr), tensor = two_steps(coda::Fp8Recipe{2, 0}, nullptr),
-                           block = two_steps(coda::Fp8Recipe{2, 0, 0xF, 0xF}, nullptr);
+  const std::vector<float> mixed = run(coda::Fp8Recipe{2, 0, 0xF, mlp_down}, &state);
+  const std::vector<float> fp32 = run(std::nullopt), tensor = run(coda::Fp8Recipe{2, 0}),
+                           block = run(coda::Fp8Recipe{2, 0, 0xF, 0xF});
   EXPECT_EQ(tensor[0], fp32[0]) << "per-tensor scales calibrate in fp32 in the first step";
   EXPECT_NE(mixed[0], fp32[0]) << "the block-scaled linear is FP8 from the first step";
   EXPECT_NE(mixed[0], block[0]) << "the others are not";
   EXPECT_NE(mixed[1], tensor[1]);
   EXPECT_NE(mixed[1], block[1]);
-  ASSERT_EQ(state.amax.size(), static_cast<size_t>(n) * 2);
-  for (int t = 0; t < n; ++t) {
-    const bool per_tensor = t % coda::kFp8Linears != 3;
-    EXPECT_EQ(std::max(state.amax[2 * t], state.amax[2 * t + 1]) > 0.0f, per_tensor)
-        << coda::fp8_tensor_name(t, config.n_layer);
-  }
-  ref::RefModel resumed(config, B, T);
+  run.expect_recorded(state, 0xFu & ~mlp_down);
+  ref::RefModel resumed(run.config, run.B, run.T);
   resumed.enable_fp8(coda::Fp8Recipe{2, 0, 0xF, mlp_down});
   resumed.load_fp8_state(state);
   EXPECT_EQ(resumed.fp8_state().amax, state.amax);
-  ref::RefModel all_block(config, B, T);
+  ref::RefModel all_block(run.config, run.B, run.T);
   all_block.enable_fp8(coda::Fp8Recipe{2, 0, 0xF, 0xF});
   EXPECT_THROW(all_block.load_fp8_state(state), std::invalid_argument);
 }
