@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <stdexcept>
 
 namespace coda {
@@ -171,12 +170,11 @@ float fp8_round(float x, Fp8Format format) {
   if (a < std::ldexp(1.0f, min_exponent)) {  // the subnormals' fixed unit; scaling by powers of two is exact
     r = std::ldexp(std::nearbyint(std::ldexp(a, l.mantissa_bits - min_exponent)), min_exponent - l.mantissa_bits);
   } else {  // round the float's mantissa to mantissa_bits, ties to even; a carry moves into the exponent
-    uint32_t bits;
-    std::memcpy(&bits, &a, sizeof(bits));
+    uint32_t bits = fp8_float_bits(a);
     const int drop = 23 - l.mantissa_bits;
     bits += (1u << (drop - 1)) - 1 + ((bits >> drop) & 1u);
     bits &= ~((1u << drop) - 1);
-    std::memcpy(&r, &bits, sizeof(r));
+    r = fp8_bits_float(bits);
   }
   return std::copysign(r, x);  // below largest, the rounding cannot pass it
 }

@@ -36,7 +36,7 @@ Fp8Linears::Fp8Linears(DeviceState& state, CublasLt& cublas, const Fp8Recipe& re
                                   std::to_string(multiple) + "; " + fp8_linear_name(linear) + " is " +
                                   std::to_string(OC) + " x " + std::to_string(IC));
   }
-  CUDA_CHECK(cudaMallocHost(&host_bad_, sizeof(unsigned int)));
+  CUDA_CHECK(cudaMallocHost(&host_bad_, 2 * sizeof(unsigned int)));
 }
 
 void Fp8Linears::plan(ArenaPlan& plan) {
@@ -160,7 +160,8 @@ void Fp8Linears::forward_blocks(bf16* y, const bf16* x, int layer, int linear, s
     return;
   }
   const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear);
-  unfused::quantize_fp8_blocks({l.wq, l.wq_dequant, l.wqT, l.wqT_dequant, block_bad_, block_flag(tw)},
+  unfused::quantize_fp8_blocks({l.wq, l.wq_dequant, training ? l.wqT : nullptr, l.wqT_dequant, block_bad_,
+                                block_flag(tw)},
                                state_.weight(w), OC, IC, true, stream);
   unfused::quantize_fp8_blocks({xq_, xq_dequant_, training ? l.xqT : nullptr, l.xqT_dequant, block_bad_, block_flag(tx)},
                                x, N, IC, false, stream);
@@ -182,35 +183,36 @@ void Fp8Linears::backward_blocks(bf16* dx, const bf16* dy, int layer, int linear
 
 void Fp8Linears::close_step(int step, Communicator* comm) {
   const cudaStream_t stream = state_.stream();
+  const int n_layer = state_.config().n_layer;
+  // Both flags come back with one host sync: the block-scaled tensors' and the scale update's.
   if (recipe_.any_block()) {
-    float* flag = reinterpret_cast<float*>(block_bad_);
-    if (comm != nullptr) state_.all_reduce_max(*comm, flag, 1);
-    float flagged = 0.0f;
-    CUDA_CHECK(cudaMemcpyAsync(&flagged, flag, sizeof flagged, cudaMemcpyDeviceToHost, stream));
+    if (comm != nullptr) state_.all_reduce_max(*comm, reinterpret_cast<float*>(block_bad_), 1);
+    CUDA_CHECK(cudaMemcpyAsync(&host_bad_[1], block_bad_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream));
     CUDA_CHECK(cudaMemsetAsync(block_bad_, 0, sizeof(unsigned int), stream));
-    state_.wait_stream();
-    if (flagged > 0.0f)
-      throw std::runtime_error("fp8 block scaling: " +
-                               fp8_tensor_name(static_cast<int>(flagged) - 1, state_.config().n_layer) +
-                               " held a value that is not finite in step " + std::to_string(step + 1) +
-                               " (an overflow or NaN upstream); the step is not applied");
   }
-  if (!recipe_.any_tensor()) return;
-  if (comm != nullptr) state_.all_reduce_max(*comm, amax_, count_);
-  CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
-  const int e4m3 = 2 * kFp8Linears * state_.config().n_layer;  // the inputs and weights come first (fp8.hpp)
-  unfused::fp8_update_scales(scales_, dequants_, history_, amax_, e4m3, recipe_.history, step, recipe_.margin,
-                             Fp8Format::E4M3, bad_, stream);
-  unfused::fp8_update_scales(scales_ + e4m3, dequants_ + e4m3 * unfused::kFp8DequantSlot,
-                             history_ + static_cast<size_t>(e4m3) * recipe_.history, amax_ + e4m3, count_ - e4m3,
-                             recipe_.history, step, recipe_.margin, Fp8Format::E5M2, bad_, stream);
-  CUDA_CHECK(cudaMemcpyAsync(host_bad_, bad_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream));
+  if (recipe_.any_tensor()) {
+    if (comm != nullptr) state_.all_reduce_max(*comm, amax_, count_);
+    CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
+    const int e4m3 = 2 * kFp8Linears * n_layer;  // the inputs and weights come first (fp8.hpp)
+    unfused::fp8_update_scales(scales_, dequants_, history_, amax_, e4m3, recipe_.history, step, recipe_.margin,
+                               Fp8Format::E4M3, bad_, stream);
+    unfused::fp8_update_scales(scales_ + e4m3, dequants_ + e4m3 * unfused::kFp8DequantSlot,
+                               history_ + static_cast<size_t>(e4m3) * recipe_.history, amax_ + e4m3, count_ - e4m3,
+                               recipe_.history, step, recipe_.margin, Fp8Format::E5M2, bad_, stream);
+    CUDA_CHECK(cudaMemcpyAsync(&host_bad_[0], bad_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream));
+  }
   state_.wait_stream();
+  const std::string in_step = " in step " + std::to_string(step + 1) +
+                              " (an overflow or NaN upstream); the step is not applied";
+  if (recipe_.any_block() && host_bad_[1] != 0)
+    throw std::runtime_error("fp8 block scaling: " +
+                             fp8_tensor_name(static_cast<int>(fp8_bits_float(host_bad_[1])) - 1, n_layer) +
+                             " held a value that is not finite" + in_step);
+  if (!recipe_.any_tensor()) return;
   calibrated_ = true;
-  if (*host_bad_ != 0)
-    throw std::runtime_error("fp8: " + fp8_tensor_name(static_cast<int>(*host_bad_) - 1, state_.config().n_layer) +
-                             " had a non-finite amax in step " + std::to_string(step + 1) +
-                             " (an overflow or NaN upstream); the step is not applied");
+  if (host_bad_[0] != 0)
+    throw std::runtime_error("fp8: " + fp8_tensor_name(static_cast<int>(host_bad_[0]) - 1, n_layer) +
+                             " had a non-finite amax" + in_step);
 }
 
 Fp8ScalingState Fp8Linears::read_state() {

@@ -87,7 +87,7 @@ class Fp8Linears {
   unsigned int* bad_ = nullptr;    // [1], fp8_update_scales's first non-finite tensor + 1
   unsigned int* block_bad_ = nullptr;  // [1], block scaling: the float bits of the largest flagged tensor + 1
                                        // (a float, for all_reduce_max)
-  unsigned int* host_bad_ = nullptr;  // pinned [1]
+  unsigned int* host_bad_ = nullptr;  // pinned [2]: bad_ and block_bad_ as close_step reads them
   struct Linear {
     uint8_t* wq = nullptr;   // [OC, IC]
     uint8_t* wqT = nullptr;  // [IC, OC]

@@ -56,11 +56,16 @@ class DeviceBuffer {
       CUDA_CHECK(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
     }
   }
-  // Synchronizes, then returns the contents as floats.
-  std::vector<float> download() const {
+  // Synchronizes, then returns the contents as they are (FP8 codes, flags).
+  std::vector<T> download_raw() const {
     CUDA_CHECK(cudaDeviceSynchronize());
     std::vector<T> raw(n_);
     CUDA_CHECK(cudaMemcpy(raw.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return raw;
+  }
+  // Synchronizes, then returns the contents as floats.
+  std::vector<float> download() const {
+    const std::vector<T> raw = download_raw();
     std::vector<float> out(n_);
     for (size_t i = 0; i < n_; ++i) out[i] = static_cast<float>(raw[i]);
     return out;

@@ -18,24 +18,16 @@ enum class Fp8Format { E4M3, E5M2 };
 // The largest finite value of each format: 1.75 * 2^8 and 1.75 * 2^15.
 constexpr float fp8_max_finite(Fp8Format format) { return format == Fp8Format::E4M3 ? 448.0f : 57344.0f; }
 
-// A float's bits and back, on the host and the device alike.
+// A float's bits and back, on the host and the device alike (memcpy is a register move in device code).
 CODA_FP8_HD uint32_t fp8_float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
   uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
+  memcpy(&bits, &x, sizeof bits);
   return bits;
-#endif
 }
 CODA_FP8_HD float fp8_bits_float(uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
   float x;
-  std::memcpy(&x, &bits, sizeof x);
+  memcpy(&x, &bits, sizeof x);
   return x;
-#endif
 }
 
 // Block scaling: the block's scale is 2^k for the largest k with amax 2^k <= the format's largest value

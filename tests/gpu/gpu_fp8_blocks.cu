@@ -23,13 +23,6 @@ using coda::Fp8Format;
 using coda::kFp8Block;
 using bf16 = __nv_bfloat16;
 
-std::vector<uint8_t> download_bytes(const uint8_t* device, size_t n) {
-  std::vector<uint8_t> host(n);
-  CUDA_CHECK(cudaDeviceSynchronize());
-  CUDA_CHECK(cudaMemcpy(host.data(), device, n, cudaMemcpyDeviceToHost));
-  return host;
-}
-
 // x [rows, cols] as bf16 values (exact in fp32): row r scaled by 2^(r % 24 - 12), so blocks differ by up to
 // 2^23 and a per-tensor scale would flush the small rows.
 std::vector<float> spread_rows(int rows, int cols, uint64_t seed) {
@@ -59,7 +52,7 @@ TEST(GpuFp8Blocks, QuantizeEqualsTheHostBlockCopy) {
     SCOPED_TRACE(tile ? "128 x 128 tiles" : "1 x 128 and 128 x 1 blocks");
     coda::unfused::quantize_fp8_blocks({q.get(), q_dequant.get(), qt.get(), qt_dequant.get(), bad.get(), 7}, dx.get(),
                                        rows, cols, tile, nullptr);
-    const std::vector<uint8_t> got_q = download_bytes(q.get(), n), got_qt = download_bytes(qt.get(), n);
+    const std::vector<uint8_t> got_q = q.download_raw(), got_qt = qt.download_raw();
     const std::vector<float> f_q = q_dequant.download(), f_qt = qt_dequant.download();
     ASSERT_TRUE(coda::fp8_block_copy(rows_copy.data(), x.data(), rows, cols, tile ? kFp8Block : 1, kFp8Block,
                                      Fp8Format::E4M3));
@@ -79,14 +72,12 @@ TEST(GpuFp8Blocks, QuantizeEqualsTheHostBlockCopy) {
       }
     EXPECT_EQ(mismatches, 0);
   }
-  EXPECT_EQ(bad.download()[0], 0.0f) << "finite input flagged";
+  EXPECT_EQ(bad.download_raw()[0], 0u) << "finite input flagged";
   x[5 * cols + 200] = std::nanf("");
   dx.upload(x);
   coda::unfused::quantize_fp8_blocks({q.get(), q_dequant.get(), nullptr, nullptr, bad.get(), 7}, dx.get(), rows, cols,
                                      false, nullptr);
-  std::vector<unsigned int> flag(1);
-  CUDA_CHECK(cudaMemcpy(flag.data(), bad.get(), sizeof(unsigned int), cudaMemcpyDeviceToHost));
-  EXPECT_EQ(flag[0], 7u) << "a NaN names its tensor";
+  EXPECT_EQ(bad.download_raw()[0], 7u) << "a NaN names its tensor";
 }
 
 // D[M, N] = sum over k of decode(A) fa(block) decode(B) fb(block), with A's factors per 1 x 128 row block and
