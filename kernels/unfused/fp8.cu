@@ -202,14 +202,14 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     update_scales_kernel(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
-                         int step, int margin, float largest, unsigned int* bad) {
+                         int step, int margin, float largest, unsigned int* bad, int first) {
   start_after_previous_kernel();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= count) return;
   const float a = amax[t];
   amax[t] = 0.0f;
   if (!(a >= 0.0f) || isinf(a)) {
-    atomicCAS(bad, 0u, static_cast<unsigned int>(t + 1));
+    atomicCAS(bad, 0u, static_cast<unsigned int>(first + t + 1));
     return;
   }
   float* ring = history + static_cast<size_t>(t) * history_len;
@@ -274,13 +274,14 @@ void quantize_fp8_blocks(const Fp8BlockCopies& out, const bf16* x, int rows, int
 }
 
 void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
-                       int step, int margin, Fp8Format format, unsigned int* bad, cudaStream_t stream) {
-  require(count >= 0 && history_len >= 1 && step >= 0 && margin >= 0,
+                       int step, int margin, Fp8Format format, unsigned int* bad, int first, cudaStream_t stream) {
+  require(count >= 0 && history_len >= 1 && step >= 0 && margin >= 0 && first >= 0,
           "fp8_update_scales: count " + std::to_string(count) + ", history " + std::to_string(history_len) +
-              ", step " + std::to_string(step) + ", margin " + std::to_string(margin));
+              ", step " + std::to_string(step) + ", margin " + std::to_string(margin) + ", first " +
+              std::to_string(first));
   if (count == 0) return;
   launch_kernel(update_scales_kernel, after_previous(blocks_for(count, kThreads), kThreads), stream, scale, dequant,
-                history, amax, count, history_len, step, margin, fp8_max_finite(format), bad);
+                history, amax, count, history_len, step, margin, fp8_max_finite(format), bad, first);
 }
 
 }  // namespace coda::unfused

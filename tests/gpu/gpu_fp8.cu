@@ -112,10 +112,11 @@ TEST(GpuFp8, AmaxIsNanWhenTheTensorHoldsANan) {
 }
 
 // Delayed scaling on the device, three tensors over six steps, against the host's Fp8DelayedScale: the
-// same scales bit for bit; a NaN amax of tensor 1 at step 3 leaves its scale and names it in *bad.
+// same scales bit for bit; a NaN amax of tensor 1 at step 3 leaves its scale and names it in *bad, counted
+// from the launch's first index (here the tensors are 5, 6, 7 of a larger array).
 TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
   SKIP_WITHOUT_GPU();
-  const int count = 3, history = 4, margin = 1, steps = 6;
+  const int count = 3, history = 4, margin = 1, steps = 6, first = 5;
   const float amax[steps][count] = {{2.0f, 0.5f, 0.0f}, {8.0f, 0.25f, 0.0f}, {1.0f, 3.0f, 7.0f},
                                     {0.5f, NAN, 1.0f},  {0.1f, 0.1f, 0.1f},  {0.2f, 0.3f, 0.4f}};
   std::vector<coda::Fp8DelayedScale> host(count, coda::Fp8DelayedScale(Fp8Format::E4M3, history, margin));
@@ -135,7 +136,7 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
     CUDA_CHECK(cudaMemset(bad, 0, sizeof(unsigned int)));
     CUDA_CHECK(cudaMemcpy(damax, amax[step], count * sizeof(float), cudaMemcpyHostToDevice));
     coda::unfused::fp8_update_scales(scale, dequant, ring, damax, count, history, step, margin, Fp8Format::E4M3, bad,
-                                     nullptr);
+                                     first, nullptr);
     float got[count], got_dequant[count * slot], left[count];
     unsigned int flagged = 0;
     CUDA_CHECK(cudaMemcpy(left, damax, sizeof(left), cudaMemcpyDeviceToHost));
@@ -148,7 +149,7 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
         host[t].record(amax[step][t], "tensor " + std::to_string(t));
         host[t].update(step);
       } catch (const std::runtime_error&) {
-        if (expected_flag == 0) expected_flag = t + 1;
+        if (expected_flag == 0) expected_flag = first + t + 1;
       }
       EXPECT_EQ(got[t], host[t].scale()) << "step " << step << " tensor " << t;
       EXPECT_EQ(got_dequant[t * slot], 1.0f / host[t].scale()) << "step " << step << " tensor " << t;

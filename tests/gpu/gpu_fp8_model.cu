@@ -244,6 +244,31 @@ TEST_P(GpuFp8Model, ANonFiniteAmaxStopsTheStepBeforeTheWeightsChange) {
   EXPECT_EQ(after, params);
 }
 
+// A gradient that is not finite (here from an infinite loss scale) reaches the amax of an output gradient's
+// FP8 copy, the e5m2 range of the scaling state: the report names an output gradient, not the tensor at the
+// same offset among the inputs.
+TEST_P(GpuFp8Model, ANonFiniteGradientIsNamedAsAnOutputGradient) {
+  SKIP_WITHOUT_GPU();
+  const coda::ModelConfig c = fp8_model(GetParam());
+  const coda::ParamLayout layout = coda::make_param_layout(c);
+  const int B = 2, T = 64;
+  std::vector<float> params(layout.total);
+  coda::init_params(c, layout, 53, params.data());
+  const Batches data = random_batches(1, static_cast<size_t>(B) * T, c.vocab_size, 54);
+  auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, kRecipe, false});
+  gpu->load_params(params.data());
+  gpu->zero_grad();
+  gpu->forward_backward(data.tokens[0].data(), data.targets[0].data(), B, T, std::numeric_limits<float>::infinity());
+  try {
+    gpu->adamw_step(kHyper, 1, 1.0f);
+    ADD_FAILURE() << "a non-finite output gradient was accepted";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("output gradient"), std::string::npos) << what;
+    EXPECT_NE(what.find("step 1"), std::string::npos) << what;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Arch, GpuFp8Model,
                          ::testing::Values(coda::Arch::GPT2, coda::Arch::Llama, coda::Arch::Qwen2),
                          [](const auto& info) { return std::string(coda::arch_name(info.param)); });
