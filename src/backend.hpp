@@ -65,7 +65,7 @@ class Backend {
   // FP8 (precision = fp8, docs/FP8.md): the delayed-scaling state the next step quantizes with, for
   // checkpoints (empty in bf16 and before the first step), and back (check_fp8_state's rules).
   virtual Fp8ScalingState read_fp8_state() { return {}; }
-  virtual void load_fp8_state(const Fp8ScalingState& state) { check_fp8_state(state, std::nullopt, 0); }
+  virtual void load_fp8_state(const Fp8ScalingState& state) { check_fp8_state(state, std::nullopt, Fp8Tensors(0, false)); }
 
   virtual PhaseTimes last_phase_times() { return {}; }
 

@@ -245,7 +245,8 @@ void add_config_options(CLI::App& app, RunConfig& c) {
   key("run", "precision", c.precision, "bf16 | fp8 (block linears as FP8 GEMMs, unfused mode; docs/FP8.md)");
   key("run", "fp8_history", c.fp8_history, "fp8: steps of amax history behind each scale");
   key("run", "fp8_margin", c.fp8_margin, "fp8: powers of two of headroom below the format's largest value");
-  key("run", "fp8_linears", c.fp8_linears, "fp8: the block linears in FP8 (comma-separated: qkv, attn_proj, mlp_up, mlp_down)");
+  key("run", "fp8_linears", c.fp8_linears,
+      "fp8: the linears in FP8 (comma-separated: qkv, attn_proj, mlp_up, mlp_down of every block; lm_head)");
   key("run", "fp8_scaling", c.fp8_scaling,
       "fp8: tensor (delayed per-tensor scales) | block (a scale per 128-value block; widths and B*T multiples of "
       "128) | the linears with block scales, the others per tensor (comma-separated, e.g. mlp_down)");

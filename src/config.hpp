@@ -49,7 +49,7 @@ struct RunConfig {
   std::string precision = "bf16";  // bf16 | fp8 (the block linears in FP8, docs/FP8.md; unfused mode)
   int fp8_history = 16;          // fp8: steps of amax history behind each scale
   int fp8_margin = 0;            // fp8: powers of two of headroom below the format's largest value
-  std::string fp8_linears = "qkv,attn_proj,mlp_up,mlp_down";  // fp8: the block linears run in FP8
+  std::string fp8_linears = "qkv,attn_proj,mlp_up,mlp_down";  // fp8: the linears run in FP8 (lm_head too if named)
   std::string fp8_scaling = "tensor";  // fp8: tensor | block | the linears with block scales (parse_fp8_scaling)
   bool deterministic = false;    // cuda: every sum in a fixed order, bitwise reproducible steps (slower)
   std::string out = "runs/default";

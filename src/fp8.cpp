@@ -60,15 +60,15 @@ uint8_t fp8_encode(float x, Fp8Format format) {
 }
 
 const char* fp8_linear_name(int linear) {
-  static const char* const names[kFp8Linears] = {"qkv", "attn_proj", "mlp_up", "mlp_down"};
-  if (linear < 0 || linear >= kFp8Linears) throw std::out_of_range("fp8 linear " + std::to_string(linear));
+  static const char* const names[kFp8Head + 1] = {"qkv", "attn_proj", "mlp_up", "mlp_down", "lm_head"};
+  if (linear < 0 || linear > kFp8Head) throw std::out_of_range("fp8 linear " + std::to_string(linear));
   return names[linear];
 }
 
 unsigned parse_fp8_linears(const std::string& names, const std::string& key) {
   const auto refuse = [&](const std::string& why) {
     return std::invalid_argument(key + " = \"" + names + "\": " + why +
-                                 "; give a comma-separated list of qkv, attn_proj, mlp_up, mlp_down");
+                                 "; give a comma-separated list of qkv, attn_proj, mlp_up, mlp_down, lm_head");
   };
   unsigned linears = 0;
   size_t begin = 0;
@@ -76,8 +76,8 @@ unsigned parse_fp8_linears(const std::string& names, const std::string& key) {
     const size_t end = std::min(names.find(',', begin), names.size());
     const std::string name = names.substr(begin, end - begin);
     int linear = 0;
-    while (linear < kFp8Linears && name != fp8_linear_name(linear)) ++linear;
-    if (linear == kFp8Linears) throw refuse(name.empty() ? "an empty name" : "\"" + name + "\" is not a block linear");
+    while (linear <= kFp8Head && name != fp8_linear_name(linear)) ++linear;
+    if (linear > kFp8Head) throw refuse(name.empty() ? "an empty name" : "\"" + name + "\" is not one of them");
     if ((linears >> linear) & 1u) throw refuse("\"" + name + "\" is listed twice");
     linears |= 1u << linear;
     begin = end + 1;
@@ -85,19 +85,21 @@ unsigned parse_fp8_linears(const std::string& names, const std::string& key) {
   return linears;
 }
 
-std::string fp8_tensor_name(int index, int n_layer) {
+std::string Fp8Tensors::name(int index) const {
   static const char* const roles[3] = {"input", "weight", "output gradient"};
-  const int per_role = kFp8Linears * n_layer;
-  if (index < 0 || index >= 3 * per_role)
+  const int per_role = kFp8Linears * layers();
+  const int layer = index % per_role / kFp8Linears, linear = index % kFp8Linears;
+  if (index < 0 || index >= count() || (layer == n_layer && linear != 0))
     throw std::out_of_range("fp8 tensor " + std::to_string(index) + " of a model of " + std::to_string(n_layer) +
-                            " layers");
-  const int layer = index % per_role / kFp8Linears;
-  return "layer " + std::to_string(layer) + " " + fp8_linear_name(index % kFp8Linears) + " " + roles[index / per_role];
+                            " layers" + (head ? " and its LM head" : ""));
+  const std::string role = roles[index / per_role];
+  if (layer == n_layer) return std::string(fp8_linear_name(kFp8Head)) + " " + role;
+  return "layer " + std::to_string(layer) + " " + fp8_linear_name(linear) + " " + role;
 }
 
 unsigned parse_fp8_scaling(const std::string& value) {
   if (value == "tensor") return 0;
-  if (value == "block") return (1u << kFp8Linears) - 1;
+  if (value == "block") return (1u << (kFp8Head + 1)) - 1;
   try {
     return parse_fp8_linears(value, "fp8_scaling");
   } catch (const std::invalid_argument& e) {
@@ -110,7 +112,7 @@ std::string Fp8Recipe::name() const {
   if (!any_tensor()) return "fp8-block";
   std::string name = "fp8-block";
   char separator = '-';
-  for (int linear = 0; linear < kFp8Linears; ++linear)
+  for (int linear = 0; linear <= kFp8Head; ++linear)
     if (block(linear)) {
       name += separator;
       name += fp8_linear_name(linear);
@@ -145,19 +147,20 @@ bool fp8_block_copy(float* copy, const float* x, int rows, int cols, int block_r
   return true;
 }
 
-void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, int n_layer) {
+void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, const Fp8Tensors& tensors) {
   if (state.empty()) return;
   if (!history)
     throw std::invalid_argument("fp8 scaling state given to a run without FP8 (precision = bf16)");
   if (state.history != *history)
     throw std::invalid_argument("fp8 scaling state of " + std::to_string(state.history) +
                                 " steps of history, but this run's fp8_history is " + std::to_string(*history));
-  const size_t expected = static_cast<size_t>(fp8_tensor_count(n_layer)) * state.history;
+  const size_t expected = static_cast<size_t>(tensors.count()) * state.history;
   if (state.amax.size() != expected)
-    throw std::invalid_argument("fp8 scaling state holds " + std::to_string(state.amax.size()) +
-                                " amax values; a model of " + std::to_string(n_layer) + " layers has " +
-                                std::to_string(expected) + " (" + std::to_string(fp8_tensor_count(n_layer)) +
-                                " tensors x " + std::to_string(state.history) + " steps)");
+    throw std::invalid_argument(
+        "fp8 scaling state holds " + std::to_string(state.amax.size()) + " amax values; a model of " +
+        std::to_string(tensors.n_layer) + " layers " + (tensors.head ? "with" : "without") +
+        " the LM head in fp8_linears has " + std::to_string(expected) + " (" + std::to_string(tensors.count()) +
+        " tensors x " + std::to_string(state.history) + " steps): the model differs, or lm_head is in one run's fp8_linears and not the other's");
 }
 
 float fp8_round(float x, Fp8Format format) {

@@ -11,9 +11,9 @@
 // (amax * 2^margin), so this step's values are quantized with a scale known before they exist.
 // Block scaling (fp8_scaling = "block", or a list of the linears that take it): one scale per block of 128
 // values along the K of the GEMM that reads the copy, or per 128 x 128 tile of a weight; see fp8_block_copy.
-// The FP8 training recipe (docs/FP8.md) runs the block linears in FP8; Fp8Recipe holds its numbers,
-// Fp8ScalingState what a checkpoint keeps of it, and the fp8_tensor_* functions the one order of the
-// scaled tensors that the CPU reference, the GPU and the checkpoint share.
+// The FP8 training recipe (docs/FP8.md) runs the block linears (and, where named, the LM head) in FP8;
+// Fp8Recipe holds its numbers, Fp8ScalingState what a checkpoint keeps of it, and Fp8Tensors the one order
+// of the scaled tensors that the CPU reference, the GPU and the checkpoint share.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -31,14 +31,20 @@ float fp8_decode(uint8_t code, Fp8Format format);
 // fp8_decode(fp8_encode(x)) without the code, by rounding x's float bits: the emulation's inner loop.
 float fp8_round(float x, Fp8Format format);
 
-// precision = "fp8": on the block linears whose bits are set in `linears` (bit i: linear i in
-// fp8_linear_name's numbering; the others stay bf16, their scales unused), block scaling (fp8_block_copy:
-// per-block current scaling) where `block_linears` has the bit too, delayed per-tensor scaling
-// (Fp8DelayedScale) over `history` steps with `margin` powers of two of headroom elsewhere.
+// The linears FP8 can cover, in fp8_linear_name's numbering: the four of every block (0 qkv, 1 attention
+// output, 2 MLP up, 3 MLP down) and the LM head (kFp8Head, "lm_head": logits = normf Wv^T, its output
+// gradient dlogits), which stays bf16 unless named.
+constexpr int kFp8Linears = 4;  // per block
+constexpr int kFp8Head = 4;
+
+// precision = "fp8": on the linears whose bits are set in `linears` (bit i: linear i in fp8_linear_name's
+// numbering; the others stay bf16, their scales unused), block scaling (fp8_block_copy: per-block current
+// scaling) where `block_linears` has the bit too, delayed per-tensor scaling (Fp8DelayedScale) over `history`
+// steps with `margin` powers of two of headroom elsewhere.
 struct Fp8Recipe {
   int history = 16;
   int margin = 0;
-  unsigned linears = 0xF;
+  unsigned linears = 0xF;  // the four block linears; the LM head stays bf16
   unsigned block_linears = 0;
   bool covers(int linear) const { return linear >= 0 && linear < 32 && ((linears >> linear) & 1u); }
   bool block(int linear) const { return covers(linear) && ((block_linears >> linear) & 1u); }
@@ -66,27 +72,36 @@ float fp8_block_scale(float amax, Fp8Format format);
 bool fp8_block_copy(float* copy, const float* x, int rows, int cols, int block_rows, int block_cols,
                     Fp8Format format);
 
-// The scaled tensors of a model of n_layer blocks: for each of the four block linears (linear 0 qkv,
-// 1 attention output, 2 MLP up, 3 MLP down) its input (e4m3), its weight (e4m3) and its output gradient
-// (e5m2), grouped by role: index = (role * n_layer + layer) * 4 + linear, so the e4m3 tensors come first.
+// The scaled tensors of a model of n_layer blocks: for each of the four block linears its input (e4m3), its
+// weight (e4m3) and its output gradient (e5m2), and where the recipe covers the LM head its three as linear 0
+// of one more layer (layer n_layer; the other three slots of that layer stay unused). Grouped by role:
+// index = (role * layers + layer) * 4 + linear, so the e4m3 tensors come first. This is the one order of the
+// scaled tensors that the CPU reference, the GPU and the checkpoint share.
 enum class Fp8Role { Input = 0, Weight = 1, OutputGrad = 2 };
-constexpr int kFp8Linears = 4;
-inline int fp8_tensor_count(int n_layer) { return 3 * kFp8Linears * n_layer; }
-inline int fp8_tensor_index(Fp8Role role, int layer, int linear, int n_layer) {
-  return (static_cast<int>(role) * n_layer + layer) * kFp8Linears + linear;
-}
 inline Fp8Format fp8_role_format(Fp8Role role) { return role == Fp8Role::OutputGrad ? Fp8Format::E5M2 : Fp8Format::E4M3; }
-inline Fp8Format fp8_tensor_format(int index, int n_layer) {
-  return fp8_role_format(static_cast<Fp8Role>(index / (kFp8Linears * n_layer)));
-}
-const char* fp8_linear_name(int linear);              // "qkv", "attn_proj", "mlp_up", "mlp_down"
+struct Fp8Tensors {
+  int n_layer = 0;
+  bool head = false;
+  Fp8Tensors(int layers, bool with_head) : n_layer(layers), head(with_head) {}
+  Fp8Tensors(int layers, const Fp8Recipe& recipe) : Fp8Tensors(layers, recipe.covers(kFp8Head)) {}
+  int layers() const { return n_layer + (head ? 1 : 0); }
+  int count() const { return 3 * kFp8Linears * layers(); }
+  int e4m3_count() const { return 2 * kFp8Linears * layers(); }  // the inputs and weights, first
+  // The grid slot of a linear (the head's: layer n_layer, linear 0), as layer * 4 + linear.
+  int slot(int layer, int linear) const { return linear == kFp8Head ? kFp8Linears * n_layer : kFp8Linears * layer + linear; }
+  int index(Fp8Role role, int layer, int linear) const {
+    return static_cast<int>(role) * kFp8Linears * layers() + slot(layer, linear);
+  }
+  Fp8Format format(int index) const { return fp8_role_format(static_cast<Fp8Role>(index / (kFp8Linears * layers()))); }
+  std::string name(int index) const;  // "layer 3 mlp_down output gradient", "lm_head weight"
+};
+const char* fp8_linear_name(int linear);  // "qkv", "attn_proj", "mlp_up", "mlp_down", "lm_head"
 // The bit set of a comma-separated list of those names ("qkv,mlp_up"); a name that is not one of them, a
 // repeated one or an empty list is an std::invalid_argument that names the key and lists the names.
 unsigned parse_fp8_linears(const std::string& names, const std::string& key = "fp8_linears");
 // fp8_scaling: "tensor" (no linear with block scales), "block" (all of them) or the list of those with block
 // scales ("mlp_down"); the Fp8Recipe::block_linears it names.
 unsigned parse_fp8_scaling(const std::string& value);
-std::string fp8_tensor_name(int index, int n_layer);  // "layer 3 mlp_down output gradient"
 
 // A run's delayed-scaling state between steps: each scaled tensor's amax history, [tensor][history] in
 // fp8_tensor_index order. Empty: nothing recorded yet (a bf16 run, or an FP8 run before its first step).
@@ -95,9 +110,9 @@ struct Fp8ScalingState {
   std::vector<float> amax;
   bool empty() const { return amax.empty(); }
 };
-// Throws std::invalid_argument, with the numbers, unless `state` is empty or fits a model of n_layer
-// blocks whose run has FP8 with a history of `history` steps (nullopt: a bf16 run, which takes none).
-void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, int n_layer);
+// Throws std::invalid_argument, with the numbers, unless `state` is empty or fits the scaled tensors of a run
+// with FP8 and a history of `history` steps (nullopt: a bf16 run, which takes none).
+void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, const Fp8Tensors& tensors);
 
 class Fp8DelayedScale {
  public:

@@ -12,21 +12,22 @@ namespace coda {
 
 namespace {
 
-// (IC, OC) of linear 0 qkv, 1 attention output, 2 MLP up, 3 MLP down.
+// (IC, OC) of linear 0 qkv, 1 attention output, 2 MLP up, 3 MLP down, kFp8Head the LM head.
 std::pair<int, int> linear_shape(const ModelConfig& c, int linear) {
   switch (linear) {
     case 0: return {c.d_model, c.qkv_dim()};
     case 1: return {c.d_model, c.d_model};
     case 2: return {c.d_model, c.mlp_up_rows()};
-    default: return {c.d_ff, c.d_model};
+    case 3: return {c.d_ff, c.d_model};
+    default: return {c.d_model, c.padded_vocab()};
   }
 }
 
 }  // namespace
 
 Fp8Linears::Fp8Linears(DeviceState& state, CublasLt& cublas, const Fp8Recipe& recipe)
-    : state_(state), cublas_(cublas), recipe_(recipe), count_(fp8_tensor_count(state.config().n_layer)) {
-  for (int linear = 0; linear < kFp8Linears; ++linear) {
+    : state_(state), cublas_(cublas), recipe_(recipe), tensors_(state.config().n_layer, recipe), count_(tensors_.count()) {
+  for (int linear = 0; linear <= kFp8Head; ++linear) {
     const int multiple = recipe.block(linear) ? kFp8Block : 16;
     const auto [IC, OC] = linear_shape(state.config(), linear);
     if (covers(linear) && (IC % multiple != 0 || OC % multiple != 0))
@@ -53,26 +54,28 @@ void Fp8Linears::plan(ArenaPlan& plan) {
   }
   plan.reserve(&bad_, 1, scaling);
   if (recipe_.any_block()) plan.reserve(&block_bad_, 1, scaling);
-  linears_.assign(kFp8Linears * c.n_layer, Linear{});
+  linears_.assign(kFp8Linears * tensors_.layers(), Linear{});
   size_t max_ic = 0, max_oc = 0;
-  for (int layer = 0; layer < c.n_layer; ++layer)
-    for (int linear = 0; linear < kFp8Linears; ++linear) {
-      if (!covers(linear)) continue;
-      const auto [IC, OC] = linear_shape(c, linear);
-      Linear& l = linears_[kFp8Linears * layer + linear];
-      plan.reserve(&l.wq, static_cast<size_t>(OC) * IC, weights);
-      plan.reserve(&l.wqT, static_cast<size_t>(OC) * IC, weights);
-      plan.reserve(&l.xqT, N * IC, saved);
-      if (recipe_.block(linear)) {
-        plan.reserve(&l.wq_dequant, static_cast<size_t>(OC / kFp8Block) * unfused::fp8_tile_factor_row(IC / kFp8Block),
-                     weights);
-        plan.reserve(&l.wqT_dequant, static_cast<size_t>(IC / kFp8Block) * unfused::fp8_tile_factor_row(OC / kFp8Block),
-                     weights);
-        plan.reserve(&l.xqT_dequant, N / kFp8Block * IC, saved);
-      }
-      max_ic = std::max<size_t>(max_ic, IC);
-      max_oc = std::max<size_t>(max_oc, OC);
+  const auto reserve = [&](int layer, int linear) {
+    if (!covers(linear)) return;
+    const auto [IC, OC] = linear_shape(c, linear);
+    Linear& l = linears_[tensors_.slot(layer, linear)];
+    plan.reserve(&l.wq, static_cast<size_t>(OC) * IC, weights);
+    plan.reserve(&l.wqT, static_cast<size_t>(OC) * IC, weights);
+    plan.reserve(&l.xqT, N * IC, saved);
+    if (recipe_.block(linear)) {
+      plan.reserve(&l.wq_dequant, static_cast<size_t>(OC / kFp8Block) * unfused::fp8_tile_factor_row(IC / kFp8Block),
+                   weights);
+      plan.reserve(&l.wqT_dequant, static_cast<size_t>(IC / kFp8Block) * unfused::fp8_tile_factor_row(OC / kFp8Block),
+                   weights);
+      plan.reserve(&l.xqT_dequant, N / kFp8Block * IC, saved);
     }
+    max_ic = std::max<size_t>(max_ic, IC);
+    max_oc = std::max<size_t>(max_oc, OC);
+  };
+  for (int layer = 0; layer < c.n_layer; ++layer)
+    for (int linear = 0; linear < kFp8Linears; ++linear) reserve(layer, linear);
+  reserve(0, kFp8Head);
   plan.reserve(&xq_, N * max_ic, scratch);
   plan.reserve(&dyq_, N * max_oc, scratch);
   plan.reserve(&dyqT_, N * max_oc, scratch);
@@ -103,7 +106,7 @@ void Fp8Linears::forward(bf16* y, const bf16* x, int layer, int linear, size_t w
                          bool training) {
   if (recipe_.block(linear)) return forward_blocks(y, x, layer, linear, w, N, IC, OC, training);
   const cudaStream_t stream = state_.stream();
-  Linear& l = linears_[kFp8Linears * layer + linear];
+  Linear& l = linears_[tensors_.slot(layer, linear)];
   const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear);
   if (training && N % 16 != 0)
     throw std::invalid_argument("precision = fp8: a training micro-batch needs B*T a multiple of 16, got " +
@@ -125,7 +128,7 @@ void Fp8Linears::backward(bf16* dx, const bf16* dy, const bf16* x, int layer, in
                           int OC) {
   if (recipe_.block(linear)) return backward_blocks(dx, dy, layer, linear, w, N, IC, OC);
   const cudaStream_t stream = state_.stream();
-  const Linear& l = linears_[kFp8Linears * layer + linear];
+  const Linear& l = linears_[tensors_.slot(layer, linear)];
   const int tx = tensor(Fp8Role::Input, layer, linear), tw = tensor(Fp8Role::Weight, layer, linear),
             tdy = tensor(Fp8Role::OutputGrad, layer, linear);
   unfused::quantize_fp8_transposed(dyqT_, dyq_, amax(tdy, true), dy, N, OC, scale(tdy), Fp8Format::E5M2, stream);
@@ -151,7 +154,7 @@ unsigned int block_flag(int t) { return fp8_float_bits(static_cast<float>(t + 1)
 void Fp8Linears::forward_blocks(bf16* y, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC,
                                 bool training) {
   const cudaStream_t stream = state_.stream();
-  Linear& l = linears_[kFp8Linears * layer + linear];
+  Linear& l = linears_[tensors_.slot(layer, linear)];
   if (N % kFp8Block != 0) {
     if (training)
       throw std::invalid_argument("precision = fp8 with block scales (fp8_scaling): a training micro-batch needs "
@@ -171,7 +174,7 @@ void Fp8Linears::forward_blocks(bf16* y, const bf16* x, int layer, int linear, s
 
 void Fp8Linears::backward_blocks(bf16* dx, const bf16* dy, int layer, int linear, size_t w, int N, int IC, int OC) {
   const cudaStream_t stream = state_.stream();
-  const Linear& l = linears_[kFp8Linears * layer + linear];
+  const Linear& l = linears_[tensors_.slot(layer, linear)];
   const int tdy = tensor(Fp8Role::OutputGrad, layer, linear);
   unfused::quantize_fp8_blocks({dyq_, dyq_dequant_, dyqT_, dyqT_dequant_, block_bad_, block_flag(tdy)}, dy, N, OC,
                                false, stream);
@@ -183,7 +186,6 @@ void Fp8Linears::backward_blocks(bf16* dx, const bf16* dy, int layer, int linear
 
 void Fp8Linears::close_step(int step, Communicator* comm) {
   const cudaStream_t stream = state_.stream();
-  const int n_layer = state_.config().n_layer;
   // Both flags come back with one host sync: the block-scaled tensors' and the scale update's.
   if (recipe_.any_block()) {
     if (comm != nullptr) state_.all_reduce_max(*comm, reinterpret_cast<float*>(block_bad_), 1);
@@ -193,7 +195,7 @@ void Fp8Linears::close_step(int step, Communicator* comm) {
   if (recipe_.any_tensor()) {
     if (comm != nullptr) state_.all_reduce_max(*comm, amax_, count_);
     CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
-    const int e4m3 = 2 * kFp8Linears * n_layer;  // the inputs and weights come first (fp8.hpp)
+    const int e4m3 = tensors_.e4m3_count();  // the inputs and weights come first (fp8.hpp)
     unfused::fp8_update_scales(scales_, dequants_, history_, amax_, e4m3, recipe_.history, step, recipe_.margin,
                                Fp8Format::E4M3, bad_, 0, stream);
     unfused::fp8_update_scales(scales_ + e4m3, dequants_ + e4m3 * unfused::kFp8DequantSlot,
@@ -206,12 +208,12 @@ void Fp8Linears::close_step(int step, Communicator* comm) {
                               " (an overflow or NaN upstream); the step is not applied";
   if (recipe_.any_block() && host_bad_[1] != 0)
     throw std::runtime_error("fp8 block scaling: " +
-                             fp8_tensor_name(static_cast<int>(fp8_bits_float(host_bad_[1])) - 1, n_layer) +
+                             tensors_.name(static_cast<int>(fp8_bits_float(host_bad_[1])) - 1) +
                              " held a value that is not finite" + in_step);
   if (!recipe_.any_tensor()) return;
   calibrated_ = true;
   if (host_bad_[0] != 0)
-    throw std::runtime_error("fp8: " + fp8_tensor_name(static_cast<int>(host_bad_[0]) - 1, n_layer) +
+    throw std::runtime_error("fp8: " + tensors_.name(static_cast<int>(host_bad_[0]) - 1) +
                              " had a non-finite amax" + in_step);
 }
 
@@ -232,12 +234,12 @@ void Fp8Linears::load_state(const Fp8ScalingState& loaded) {
       throw std::invalid_argument("fp8 scaling state of delayed scaling given to a run with fp8_scaling = block");
     return;
   }
-  check_fp8_state(loaded, recipe_.history, state_.config().n_layer);
+  check_fp8_state(loaded, recipe_.history, tensors_);
   if (loaded.empty()) return;
   // The scales follow from the history as the host's Fp8DelayedScale::restore computes them.
   std::vector<float> scales(count_), dequants(static_cast<size_t>(count_) * unfused::kFp8DequantSlot);
   for (int t = 0; t < count_; ++t) {
-    Fp8DelayedScale scale(fp8_tensor_format(t, state_.config().n_layer), recipe_.history, recipe_.margin);
+    Fp8DelayedScale scale(tensors_.format(t), recipe_.history, recipe_.margin);
     scale.restore(loaded.amax.data() + static_cast<size_t>(t) * recipe_.history);
     scales[t] = scale.scale();
     dequants[t * unfused::kFp8DequantSlot] = 1.0f / scales[t];

@@ -1,5 +1,6 @@
-// The block linears of the unfused mode in FP8 (precision = fp8, docs/FP8.md), with the CPU reference's
-// emulation (RefModel::enable_fp8) as the specification. For a linear y = x W^T of a block:
+// The linears of the unfused mode in FP8 (precision = fp8, docs/FP8.md): the block linears, and the LM head
+// where fp8_linears names it (x the final norm's output, W the head weight, dy the dlogits), with the CPU
+// reference's emulation (RefModel::enable_fp8) as the specification. For a linear y = x W^T:
 //   forward   x -> xq (e4m3, row-major, scratch) and xqT (e4m3, [IC, N], kept for the weight gradient),
 //             W -> wq and wqT (e4m3), both from one read each;  y = dq_x dq_w (xq wq^T)
 //   backward  dy -> dyq and dyqT (e5m2, from one read);  dx = dq_dy dq_w (dyq wqT^T),
@@ -52,9 +53,10 @@ class Fp8Linears {
   const Fp8Recipe& recipe() const { return recipe_; }
   void upload_initial_scales();  // after allocation: every scale 1, no history
 
-  // The four linears of a block (linear: 0 qkv, 1 attention output, 2 MLP up, 3 MLP down) of
-  // y[N, OC] = x[N, IC] W^T, W the parameter at offset w, and its backward (dx overwritten, dW accumulated;
-  // x, the forward's bf16 input, is read by the calibration step's bf16 weight gradient only).
+  // The four linears of a block (linear: 0 qkv, 1 attention output, 2 MLP up, 3 MLP down; layer its block)
+  // and the LM head (linear kFp8Head, any layer) of y[N, OC] = x[N, IC] W^T, W the parameter at offset w, and
+  // its backward (dx overwritten, dW accumulated; x, the forward's bf16 input, is read by the calibration
+  // step's bf16 weight gradient only).
   void forward(bf16* y, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC, bool training);
   void backward(bf16* dx, const bf16* dy, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC);
 
@@ -66,9 +68,7 @@ class Fp8Linears {
   void load_state(const Fp8ScalingState& state);
 
  private:
-  int tensor(Fp8Role role, int layer, int linear) const {
-    return fp8_tensor_index(role, layer, linear, state_.config().n_layer);
-  }
+  int tensor(Fp8Role role, int layer, int linear) const { return tensors_.index(role, layer, linear); }
   const float* scale(int t) const { return scales_ + t; }
   const float* dequant(int t) const { return dequants_ + static_cast<size_t>(t) * unfused::kFp8DequantSlot; }
   float* amax(int t, bool training) const { return (training ? amax_ : eval_amax_) + t; }
@@ -76,7 +76,8 @@ class Fp8Linears {
   DeviceState& state_;
   CublasLt& cublas_;
   const Fp8Recipe recipe_;
-  const int count_;  // fp8_tensor_count
+  const Fp8Tensors tensors_;
+  const int count_;  // tensors_.count()
   bool calibrated_ = false;
 
   float* scales_ = nullptr;        // [count]
@@ -98,7 +99,7 @@ class Fp8Linears {
   };
   void forward_blocks(bf16* y, const bf16* x, int layer, int linear, size_t w, int N, int IC, int OC, bool training);
   void backward_blocks(bf16* dx, const bf16* dy, int layer, int linear, size_t w, int N, int IC, int OC);
-  std::vector<Linear> linears_;  // [n_layer * 4]
+  std::vector<Linear> linears_;  // [tensors_.layers() * 4], by Fp8Tensors::slot
   uint8_t* xq_ = nullptr;        // scratch [N, max IC]
   uint8_t* dyq_ = nullptr;       // scratch [N, max OC]
   uint8_t* dyqT_ = nullptr;      // scratch [max OC, N]

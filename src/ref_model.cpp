@@ -86,15 +86,16 @@ static void norm_backward(const ModelConfig& c, float* dx, float* dw, float* db,
 
 void RefModel::enable_fp8(const Fp8Recipe& recipe) {
   fp8_scales_.clear();
-  for (int t = 0; t < fp8_tensor_count(config.n_layer) && recipe.any_tensor(); ++t)
-    fp8_scales_.emplace_back(fp8_tensor_format(t, config.n_layer), recipe.history, recipe.margin);
-  fp8_copies_.assign(kFp8Linears * config.n_layer, {});
+  const Fp8Tensors tensors(config.n_layer, recipe);
+  for (int t = 0; t < tensors.count() && recipe.any_tensor(); ++t)
+    fp8_scales_.emplace_back(tensors.format(t), recipe.history, recipe.margin);
+  fp8_copies_.assign(kFp8Linears * tensors.layers(), {});
   fp8_recipe_ = recipe;
   fp8_calibrated_ = false;
 }
 
 Fp8DelayedScale& RefModel::fp8_scale(Fp8Role role, int layer, int linear) {
-  return fp8_scales_[fp8_tensor_index(role, layer, linear, config.n_layer)];
+  return fp8_scales_[fp8_tensors().index(role, layer, linear)];
 }
 
 void RefModel::fp8_end_step(int step) {
@@ -114,7 +115,7 @@ Fp8ScalingState RefModel::fp8_state() const {
 void RefModel::load_fp8_state(const Fp8ScalingState& state) {
   if (!fp8_recipe_.any_tensor() && !state.empty())
     throw std::invalid_argument("fp8 scaling state of delayed scaling given to a run with fp8_scaling = block");
-  check_fp8_state(state, fp8_scales_.empty() ? std::nullopt : std::optional<int>(fp8_recipe_.history), config.n_layer);
+  check_fp8_state(state, fp8_scales_.empty() ? std::nullopt : std::optional<int>(fp8_recipe_.history), fp8_tensors());
   if (state.empty()) return;
   for (size_t t = 0; t < fp8_scales_.size(); ++t) fp8_scales_[t].restore(state.amax.data() + t * state.history);
   fp8_calibrated_ = true;
@@ -125,7 +126,7 @@ std::vector<float> RefModel::fp8_copy(const float* x, size_t n, Fp8Role role, in
   if (fp8_recording_) {
     float amax = 0.0f;
     for (size_t i = 0; i < n; ++i) amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
-    scale.record(amax, fp8_tensor_name(fp8_tensor_index(role, layer, linear, config.n_layer), config.n_layer));
+    scale.record(amax, fp8_tensors().name(fp8_tensors().index(role, layer, linear)));
   }
   if (!fp8_calibrated_) return std::vector<float>(x, x + n);
   const Fp8Format format = fp8_role_format(role);
@@ -140,14 +141,14 @@ std::vector<float> RefModel::fp8_block_copy(const float* x, int rows, int cols, 
   std::vector<float> copy(static_cast<size_t>(rows) * cols);
   if (!coda::fp8_block_copy(copy.data(), x, rows, cols, block_rows, block_cols, Fp8Format::E4M3))
     throw std::runtime_error("fp8 block scaling: a value that is not finite in " +
-                             fp8_tensor_name(fp8_tensor_index(role, layer, linear, config.n_layer), config.n_layer));
+                             fp8_tensors().name(fp8_tensors().index(role, layer, linear)));
   return copy;
 }
 
 void RefModel::linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC,
                               int OC) {
   if (!fp8_recipe_.covers(linear)) return matmul_forward(y, x, param(w), param(b), N, IC, OC);
-  Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
+  Fp8Copies& q = fp8_copies_[fp8_tensors().slot(layer, linear)];
   if (fp8_recipe_.block(linear)) {
     q.x = fp8_block_copy(x, N, IC, 1, kFp8Block, Fp8Role::Input, layer, linear);
     q.x_t = fp8_block_copy(x, N, IC, kFp8Block, 1, Fp8Role::Input, layer, linear);
@@ -162,7 +163,7 @@ void RefModel::linear_forward(int layer, int linear, float* y, const float* x, s
 void RefModel::linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b,
                                int N, int IC, int OC) {
   if (!fp8_recipe_.covers(linear)) return matmul_backward(dx, grad(w), grad(b), dy, x, param(w), N, IC, OC);
-  const Fp8Copies& q = fp8_copies_[kFp8Linears * layer + linear];
+  const Fp8Copies& q = fp8_copies_[fp8_tensors().slot(layer, linear)];
   if (fp8_recipe_.block(linear)) {
     const std::vector<float> dy_rows = fp8_block_copy(dy, N, OC, 1, kFp8Block, Fp8Role::OutputGrad, layer, linear);
     const std::vector<float> dy_cols = fp8_block_copy(dy, N, OC, kFp8Block, 1, Fp8Role::OutputGrad, layer, linear);
@@ -218,7 +219,7 @@ float RefModel::forward(const int32_t* tokens, const int32_t* targets, int B, in
   }
   norm_forward(config, acts.normf.data(), acts.normf_mean.data(), acts.normf_rstd.data(), acts.residual_final.data(),
                param(layout.normf_w), param(layout.normf_b), N);
-  matmul_forward(acts.logits.data(), acts.normf.data(), param(layout.head_weight()), nullptr, N, C, Vp);
+  linear_forward(0, kFp8Head, acts.logits.data(), acts.normf.data(), layout.head_weight(), kAbsent, N, C, Vp);
   if (!have_targets_) return std::numeric_limits<float>::quiet_NaN();
   crossentropy_forward(acts.losses.data(), acts.logits.data(), targets, N, V, Vp);
   double sum = 0.0;
@@ -238,8 +239,8 @@ void RefModel::backward(float grad_scale) {
   crossentropy_backward(d_logits_.data(), acts.logits.data(), targets_.data(), grad_scale / N, N, config.vocab_size,
                         Vp);
   zero(d_norm_, C);
-  matmul_backward(d_norm_.data(), grad(layout.head_weight()), nullptr, d_logits_.data(), acts.normf.data(),
-                  param(layout.head_weight()), N, C, Vp);
+  linear_backward(0, kFp8Head, d_norm_.data(), d_logits_.data(), acts.normf.data(), layout.head_weight(), kAbsent, N,
+                  C, Vp);
   zero(d_residual_, C);
   norm_backward(config, d_residual_.data(), grad(layout.normf_w), grad(layout.normf_b), d_norm_.data(),
                 acts.residual_final.data(), param(layout.normf_w), acts.normf_mean.data(), acts.normf_rstd.data(), N);

@@ -62,14 +62,15 @@ class RefModel {
   // Adds d(grad_scale * mean_loss)/d(params) into grads, for the last forward (which had targets).
   void backward(float grad_scale);
 
-  // FP8 training, emulated: the specification of the FP8 mode (docs/FP8.md). Each block linear of the
-  // recipe's (by default all four: qkv, attention output, MLP up and down; the others stay fp32) runs its
-  // forward on e4m3 copies of its input and weight, and its dgrad and wgrad on an e5m2 copy of its output
-  // gradient with those e4m3 copies (bias gradients from the unquantized one); a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling
-  // (fp8.hpp): the scale from the amax history of the steps before. A training forward and every backward
+  // FP8 training, emulated: the specification of the FP8 mode (docs/FP8.md). Each linear of the recipe's
+  // (by default the four of every block: qkv, attention output, MLP up and down; the LM head where the
+  // recipe names it; the others stay fp32) runs its forward on e4m3 copies of its input and weight, and its
+  // dgrad and wgrad on an e5m2 copy of its output gradient with those e4m3 copies (bias gradients from the
+  // unquantized one); a copy is decode(encode(x * scale)) / scale with per-tensor delayed scaling (fp8.hpp):
+  // the scale from the amax history of the steps before. A training forward and every backward
   // record their tensors' amax; an evaluation forward quantizes with the scales as they are. Until the
   // first step has closed there is no history: that step computes in fp32 and only records (calibration).
-  // The LM head, norms, attention and loss stay fp32. fp8_end_step(step) closes optimizer step `step`
+  // The norms, attention and loss stay fp32. fp8_end_step(step) closes optimizer step `step`
   // (0-based, after its micro-batches): every scale is updated for the next one.
   // A linear with block scaling (Fp8Recipe::block) has every copy in e4m3 with a scale per block
   // (fp8_block_copy): the forward reads the input in 1 x 128 blocks and the weight in 128 x 128 tiles, the
@@ -93,8 +94,9 @@ class RefModel {
   const float* param(size_t offset) const { return offset == kAbsent ? nullptr : params.data() + offset; }
   float* grad(size_t offset) { return offset == kAbsent ? nullptr : grads.data() + offset; }
 
-  // The block linears, in the fp32 or the emulated FP8 form (linear = 0 qkv, 1 attention output, 2 MLP up,
-  // 3 MLP down): y = x W^T + b, and dx += dy W, dW += dy^T x, db += colsum(dy).
+  // The linears, in the fp32 or the emulated FP8 form (linear = 0 qkv, 1 attention output, 2 MLP up, 3 MLP
+  // down of block `layer`; kFp8Head the LM head): y = x W^T + b, and dx += dy W, dW += dy^T x, db += colsum(dy).
+  // b may be kAbsent.
   void linear_forward(int layer, int linear, float* y, const float* x, size_t w, size_t b, int N, int IC, int OC);
   void linear_backward(int layer, int linear, float* dx, const float* dy, const float* x, size_t w, size_t b, int N,
                        int IC, int OC);
@@ -105,12 +107,13 @@ class RefModel {
   std::vector<float> fp8_block_copy(const float* x, int rows, int cols, int block_rows, int block_cols, Fp8Role role,
                                     int layer, int linear) const;
   Fp8DelayedScale& fp8_scale(Fp8Role role, int layer, int linear);
+  Fp8Tensors fp8_tensors() const { return Fp8Tensors(config.n_layer, fp8_recipe_); }
 
-  std::vector<Fp8DelayedScale> fp8_scales_;  // fp8_tensor_index order when FP8 is on, empty otherwise
+  std::vector<Fp8DelayedScale> fp8_scales_;  // Fp8Tensors order when FP8 is on, empty otherwise
   struct Fp8Copies {  // the forward's FP8 copies of a linear's input and weight; block scaling: x_t, the
     std::vector<float> x, w, x_t;  // input's copy in 128 x 1 blocks for the weight gradient
   };
-  std::vector<Fp8Copies> fp8_copies_;        // [n_layer * 4]
+  std::vector<Fp8Copies> fp8_copies_;        // [Fp8Tensors::layers() * 4], by Fp8Tensors::slot
   Fp8Recipe fp8_recipe_{0, 0, 0};            // no linear in FP8 until enable_fp8
   bool fp8_calibrated_ = false;
   bool fp8_recording_ = false;

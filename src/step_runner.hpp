@@ -70,7 +70,7 @@ class StepRunner {
     (void)comm;
   }
   virtual Fp8ScalingState read_fp8_state() { return {}; }
-  virtual void load_fp8_state(const Fp8ScalingState& state) { check_fp8_state(state, std::nullopt, 0); }
+  virtual void load_fp8_state(const Fp8ScalingState& state) { check_fp8_state(state, std::nullopt, Fp8Tensors(0, false)); }
 
   StepIO io;
 

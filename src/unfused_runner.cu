@@ -1,8 +1,8 @@
 // The unfused mode: cuBLASLt GEMMs (no epilogue) and one kernel of kernels/unfused/ per operation, for
 // every model the features describe. Its activations are the plain ones of the CPU reference (norm
 // outputs and statistics, qkv after bias and RoPE, the MLP's pre-activation and activation), so it is the
-// mode to compare the CODA mode with, step for step. With an FP8 recipe its four block linears run as FP8
-// GEMMs (fp8_linears.hpp); everything else, the LM head included, stays as it is.
+// mode to compare the CODA mode with, step for step. With an FP8 recipe the linears it covers (the block
+// linears, and the LM head where named) run as FP8 GEMMs (fp8_linears.hpp); everything else stays as it is.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -86,10 +86,9 @@ class UnfusedRunner final : public StepRunner {
   void norm_forward(bf16* y, float* mean, float* rstd, const bf16* x, size_t w, size_t b, int N);
   void norm_backward(bf16* dx, const bf16* dy, const bf16* x, size_t w, size_t b, const float* mean,
                      const float* rstd, int N, bool accumulate);
-  // Y[N, OC] = X[N, IC] W^T; backward dX = dY W, dW += dY^T X (fp32, accumulating). `linear` names a block
-  // linear (Fp8Linears' numbering, 0 qkv .. 3 MLP down), which runs in FP8 when the runner has it; the LM
-  // head passes kHead.
-  static constexpr int kHead = -1;
+  // Y[N, OC] = X[N, IC] W^T; backward dX = dY W, dW += dY^T X (fp32, accumulating). `linear` names the
+  // linear in Fp8Linears' numbering (0 qkv .. 3 MLP down of block `layer`, kFp8Head the LM head), which runs
+  // in FP8 where the runner's recipe covers it.
   void linear_forward(bf16* y, const bf16* x, size_t w, int N, int IC, int OC, int layer, int linear);
   void linear_backward(bf16* dx, const bf16* dy, const bf16* x, size_t w, int N, int IC, int OC, int layer,
                        int linear);
@@ -237,7 +236,7 @@ void UnfusedRunner::block_forward(int layer, int B, int T) {
 void UnfusedRunner::head_forward(int B, int T) {
   const int N = B * T;
   norm_forward(normf_, normf_mean_, normf_rstd_, output_, layout_.normf_w, layout_.normf_b, N);
-  linear_forward(io.logits, normf_, layout_.head_weight(), N, config_.d_model, config_.padded_vocab(), 0, kHead);
+  linear_forward(io.logits, normf_, layout_.head_weight(), N, config_.d_model, config_.padded_vocab(), 0, kFp8Head);
 }
 
 void UnfusedRunner::loss_forward(int B, int T) {
@@ -250,7 +249,7 @@ void UnfusedRunner::head_backward(int B, int T, float dloss) {
   unfused::crossentropy_backward(io.logits, io.logits, io.logits_lse, io.targets, dloss, N,
                                  config_.vocab_size, V, stream_);
   const bf16* dlogits = io.logits;
-  linear_backward(scratch_.d_norm, dlogits, normf_, layout_.head_weight(), N, C, V, 0, kHead);
+  linear_backward(scratch_.d_norm, dlogits, normf_, layout_.head_weight(), N, C, V, 0, kFp8Head);
   norm_backward(scratch_.d_residual, scratch_.d_norm, output_, layout_.normf_w, layout_.normf_b,
                 normf_mean_, normf_rstd_, N, false);
 }

@@ -153,21 +153,44 @@ TEST(Fp8, DelayedScaleRestoredFromItsHistoryContinuesIdentically) {
   EXPECT_EQ(restored.history(), original.history());
 }
 
-// The one order of the scaled tensors: roles, then layers, then linears; every index named once.
+// The one order of the scaled tensors: roles, then layers, then linears; every index named once, the e4m3
+// roles first. With the LM head in FP8 its three tensors are linear 0 of one more layer, and the three other
+// slots of that layer are no tensor.
 TEST(Fp8, TensorIndicesCoverEveryTensorOnce) {
   const int n_layer = 3;
-  std::vector<int> seen(coda::fp8_tensor_count(n_layer), 0);
-  for (coda::Fp8Role role : {coda::Fp8Role::Input, coda::Fp8Role::Weight, coda::Fp8Role::OutputGrad})
-    for (int layer = 0; layer < n_layer; ++layer)
-      for (int linear = 0; linear < coda::kFp8Linears; ++linear) ++seen[coda::fp8_tensor_index(role, layer, linear, n_layer)];
-  for (int count : seen) EXPECT_EQ(count, 1);
-  EXPECT_EQ(coda::fp8_tensor_name(coda::fp8_tensor_index(coda::Fp8Role::OutputGrad, 2, 3, n_layer), n_layer),
-            "layer 2 mlp_down output gradient");
-  EXPECT_EQ(coda::fp8_tensor_name(coda::fp8_tensor_index(coda::Fp8Role::Input, 1, 0, n_layer), n_layer),
-            "layer 1 qkv input");
+  for (bool head : {false, true}) {
+    const coda::Fp8Tensors tensors(n_layer, head);
+    std::vector<int> seen(tensors.count(), 0);
+    for (coda::Fp8Role role : {coda::Fp8Role::Input, coda::Fp8Role::Weight, coda::Fp8Role::OutputGrad}) {
+      for (int layer = 0; layer < n_layer; ++layer)
+        for (int linear = 0; linear < coda::kFp8Linears; ++linear) ++seen[tensors.index(role, layer, linear)];
+      if (head) ++seen[tensors.index(role, 0, coda::kFp8Head)];
+      const int first = tensors.index(role, 0, 0);
+      EXPECT_EQ(tensors.format(first), coda::fp8_role_format(role)) << head;
+      EXPECT_EQ(first < tensors.e4m3_count(), role != coda::Fp8Role::OutputGrad) << head;
+    }
+    int named = 0;
+    for (int t = 0; t < tensors.count(); ++t) {
+      EXPECT_LE(seen[t], 1) << t;
+      if (seen[t] == 1) {
+        ++named;
+        EXPECT_NO_THROW(tensors.name(t)) << t;
+      } else {
+        EXPECT_THROW(tensors.name(t), std::out_of_range) << t;
+      }
+    }
+    EXPECT_EQ(named, 3 * (coda::kFp8Linears * n_layer + (head ? 1 : 0)));
+    EXPECT_EQ(tensors.name(tensors.index(coda::Fp8Role::OutputGrad, 2, 3)), "layer 2 mlp_down output gradient");
+    EXPECT_EQ(tensors.name(tensors.index(coda::Fp8Role::Input, 1, 0)), "layer 1 qkv input");
+    EXPECT_THROW(tensors.name(tensors.count()), std::out_of_range);
+  }
+  const coda::Fp8Tensors with_head(n_layer, true);
+  EXPECT_EQ(with_head.name(with_head.index(coda::Fp8Role::Weight, 0, coda::kFp8Head)), "lm_head weight");
+  EXPECT_EQ(with_head.name(with_head.index(coda::Fp8Role::OutputGrad, 0, coda::kFp8Head)), "lm_head output gradient");
+  EXPECT_EQ(with_head.format(with_head.index(coda::Fp8Role::OutputGrad, 0, coda::kFp8Head)), Fp8Format::E5M2);
+  EXPECT_EQ(coda::Fp8Tensors(n_layer, coda::Fp8Recipe{}).head, false) << "the LM head stays bf16 by default";
   EXPECT_EQ(coda::fp8_role_format(coda::Fp8Role::Weight), Fp8Format::E4M3);
   EXPECT_EQ(coda::fp8_role_format(coda::Fp8Role::OutputGrad), Fp8Format::E5M2);
-  EXPECT_THROW(coda::fp8_tensor_name(coda::fp8_tensor_count(n_layer), n_layer), std::out_of_range);
 }
 
 // The block scale is the largest power of two that keeps the block's amax inside the format: exactly at the
@@ -239,9 +262,11 @@ TEST(Fp8, BlockCopyQuantizesEachBlockWithItsOwnScale) {
 // fp8_scaling names the linears with block scales: none, all, or a list; the recipe's name says which.
 TEST(Fp8, ScalingNamesTheBlockScaledLinears) {
   EXPECT_EQ(coda::parse_fp8_scaling("tensor"), 0u);
-  EXPECT_EQ(coda::parse_fp8_scaling("block"), 0xFu);
+  EXPECT_EQ(coda::parse_fp8_scaling("block"), 0x1Fu) << "every linear FP8 covers, the LM head too";
   EXPECT_EQ(coda::parse_fp8_scaling("mlp_down"), 0x8u);
   EXPECT_EQ(coda::parse_fp8_scaling("mlp_down,qkv"), 0x9u);
+  EXPECT_EQ(coda::parse_fp8_linears("qkv,lm_head"), 0x11u);
+  EXPECT_EQ(coda::parse_fp8_scaling("lm_head"), 1u << coda::kFp8Head);
   try {
     coda::parse_fp8_scaling("row");
     ADD_FAILURE() << "an unknown scaling was accepted";

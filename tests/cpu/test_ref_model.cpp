@@ -390,19 +390,22 @@ Fp8Run fp8_training_run(const ModelConfig& config, const std::optional<coda::Fp8
 }
 
 // FP8 emulation (RefModel::enable_fp8), the specification of the FP8 training mode: every architecture
-// trained in fp32 and in emulated FP8 (delayed scaling, history 16, margin 0). The first step calibrates
-// (fp32, the amax recorded: the same loss); from the second the quantization is really there (the losses
-// differ), and the FP8 run ends within 0.5% of the fp32 loss, both well below where they started.
+// trained in fp32 and in emulated FP8 (delayed scaling, history 16, margin 0), the four block linears and
+// the four with the LM head. The first step calibrates (fp32, the amax recorded: the same loss); from the
+// second the quantization is really there (the losses differ), and the FP8 run ends within 0.5% of the fp32
+// loss, both well below where they started.
 TEST(RefModel, Fp8EmulationTracksFp32Training) {
   for (const ModelConfig& config : {gpt2_config(), llama_config(), qwen2_config()}) {
     const std::vector<float> fp32 = fp8_training_run(config, std::nullopt).losses;
-    const Fp8Run fp8 = fp8_training_run(config, coda::Fp8Recipe{16, 0});
-    const std::string name = arch_name(config.arch);
-    EXPECT_EQ(fp8.losses[0], fp32[0]) << name << ": the calibration step computes in fp32";
-    EXPECT_NE(fp8.losses[1], fp32[1]) << name << ": from the second step the linears are FP8";
-    EXPECT_FALSE(fp8.state_empty) << name;
-    EXPECT_LT(fp32.back(), fp32.front() - 1.0f) << name;
-    EXPECT_NEAR(fp8.losses.back(), fp32.back(), 0.005 * fp32.back()) << name;
+    for (unsigned linears : {0xFu, 0xFu | 1u << coda::kFp8Head}) {
+      const Fp8Run fp8 = fp8_training_run(config, coda::Fp8Recipe{16, 0, linears});
+      const std::string name = std::string(arch_name(config.arch)) + " linears " + std::to_string(linears);
+      EXPECT_EQ(fp8.losses[0], fp32[0]) << name << ": the calibration step computes in fp32";
+      EXPECT_NE(fp8.losses[1], fp32[1]) << name << ": from the second step the linears are FP8";
+      EXPECT_FALSE(fp8.state_empty) << name;
+      EXPECT_LT(fp32.back(), fp32.front() - 1.0f) << name;
+      EXPECT_NEAR(fp8.losses.back(), fp32.back(), 0.005 * fp32.back()) << name;
+    }
   }
 }
 
@@ -469,7 +472,7 @@ TEST(RefModel, Fp8EvaluationLeavesTheScalesAndTheStateRoundTrips) {
     model.fp8_end_step(step);
   }
   const coda::Fp8ScalingState state = model.fp8_state();
-  ASSERT_EQ(state.amax.size(), static_cast<size_t>(coda::fp8_tensor_count(config.n_layer)) * 4);
+  ASSERT_EQ(state.amax.size(), static_cast<size_t>(coda::Fp8Tensors(config.n_layer, false).count()) * 4);
   const float eval_loss = model.forward(other.tokens.data(), other.targets.data(), B, T);
   model.fp8_end_step(3);  // a step in which only an evaluation ran records zeros
   coda::Fp8ScalingState after_eval = model.fp8_state();
@@ -520,14 +523,19 @@ struct TwoSteps {
     if (state != nullptr) *state = model.fp8_state();
     return losses;
   }
-  // The two-step histories of a state: some amax recorded for exactly the tensors of `recording` linears.
-  void expect_recorded(const coda::Fp8ScalingState& state, unsigned recording) const {
-    const int n = coda::fp8_tensor_count(config.n_layer);
-    ASSERT_EQ(state.amax.size(), static_cast<size_t>(n) * 2);
-    for (int t = 0; t < n; ++t) {
-      const bool recorded = std::max(state.amax[2 * t], state.amax[2 * t + 1]) > 0.0f;
-      EXPECT_EQ(recorded, ((recording >> (t % coda::kFp8Linears)) & 1u) != 0) << coda::fp8_tensor_name(t, config.n_layer);
-    }
+  // The two-step histories of a state of the tensors `tensors`: some amax recorded for exactly the tensors of
+  // the `recording` linears.
+  void expect_recorded(const coda::Fp8ScalingState& state, unsigned recording, const coda::Fp8Tensors& tensors) const {
+    ASSERT_EQ(state.amax.size(), static_cast<size_t>(tensors.count()) * 2);
+    for (coda::Fp8Role role : {coda::Fp8Role::Input, coda::Fp8Role::Weight, coda::Fp8Role::OutputGrad})
+      for (int layer = 0; layer < tensors.layers(); ++layer)
+        for (int linear = 0; linear < coda::kFp8Linears; ++linear) {
+          const bool head = layer == config.n_layer;
+          const int t = tensors.index(role, 0, 0) + coda::kFp8Linears * layer + linear;
+          const bool recorded = std::max(state.amax[2 * t], state.amax[2 * t + 1]) > 0.0f;
+          const bool expected = ((recording >> (head ? coda::kFp8Head : linear)) & 1u) != 0 && (!head || linear == 0);
+          EXPECT_EQ(recorded, expected) << "role " << static_cast<int>(role) << " layer " << layer << " linear " << linear;
+        }
   }
 };
 
@@ -539,7 +547,7 @@ TEST(RefModel, Fp8RecipeRunsOnlyTheLinearsItCovers) {
   const unsigned mlp_down = coda::parse_fp8_linears("mlp_down");
   coda::Fp8ScalingState state;
   const float down_only = run(coda::Fp8Recipe{2, 0, mlp_down}, &state)[1];
-  run.expect_recorded(state, mlp_down);
+  run.expect_recorded(state, mlp_down, coda::Fp8Tensors(run.config.n_layer, false));
   const float fp32 = run(std::nullopt)[1], all = run(coda::Fp8Recipe{2, 0})[1];
   EXPECT_NE(down_only, fp32);
   EXPECT_NE(down_only, all);
@@ -562,7 +570,7 @@ TEST(RefModel, Fp8MixedScalingBlockScalesTheNamedLinearsOnly) {
   EXPECT_NE(mixed[0], block[0]) << "the others are not";
   EXPECT_NE(mixed[1], tensor[1]);
   EXPECT_NE(mixed[1], block[1]);
-  run.expect_recorded(state, 0xFu & ~mlp_down);
+  run.expect_recorded(state, 0xFu & ~mlp_down, coda::Fp8Tensors(run.config.n_layer, false));
   ref::RefModel resumed(run.config, run.B, run.T);
   resumed.enable_fp8(coda::Fp8Recipe{2, 0, 0xF, mlp_down});
   resumed.load_fp8_state(state);
@@ -570,4 +578,29 @@ TEST(RefModel, Fp8MixedScalingBlockScalesTheNamedLinearsOnly) {
   ref::RefModel all_block(run.config, run.B, run.T);
   all_block.enable_fp8(coda::Fp8Recipe{2, 0, 0xF, 0xF});
   EXPECT_THROW(all_block.load_fp8_state(state), std::invalid_argument);
+}
+
+// The LM head in FP8 (fp8_linears with lm_head): its input (the final norm's output), its weight and the
+// dlogits take the three slots of one more layer of the scaling state and record an amax like the block
+// linears, the second step's loss differs from that of the four block linears alone, and the states of the
+// two recipes do not load into each other (the message says why).
+TEST(RefModel, Fp8LmHeadRecordsItsTensorsAsOneMoreLayer) {
+  const TwoSteps run(14);
+  const unsigned with_head = 0xFu | 1u << coda::kFp8Head;
+  coda::Fp8ScalingState head_state, block_state;
+  const std::vector<float> head = run(coda::Fp8Recipe{2, 0, with_head}, &head_state);
+  const std::vector<float> blocks = run(coda::Fp8Recipe{2, 0}, &block_state);
+  EXPECT_EQ(head[0], blocks[0]) << "both calibrate in fp32";
+  EXPECT_NE(head[1], blocks[1]);
+  run.expect_recorded(head_state, with_head, coda::Fp8Tensors(run.config.n_layer, true));
+  ref::RefModel resumed(run.config, run.B, run.T);
+  resumed.enable_fp8(coda::Fp8Recipe{2, 0, with_head});
+  resumed.load_fp8_state(head_state);
+  EXPECT_EQ(resumed.fp8_state().amax, head_state.amax);
+  try {
+    resumed.load_fp8_state(block_state);
+    ADD_FAILURE() << "a state without the head's tensors was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("lm_head"), std::string::npos) << e.what();
+  }
 }

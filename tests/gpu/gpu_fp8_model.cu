@@ -144,7 +144,7 @@ void expect_steps_follow_the_emulation(coda::Arch arch, const coda::Fp8Recipe& r
     for (size_t i = 0; i < a.amax.size(); ++i) {
       const double limit = i % recipe.history == 0 ? 2e-2 : 0.3;
       EXPECT_NEAR(b.amax[i], a.amax[i], limit * a.amax[i])
-          << "step " << step + 1 << " " << coda::fp8_tensor_name(static_cast<int>(i / recipe.history), c.n_layer)
+          << "step " << step + 1 << " " << coda::Fp8Tensors(c.n_layer, recipe).name(static_cast<int>(i / recipe.history))
           << " history entry " << i % recipe.history;
     }
   }
@@ -176,6 +176,16 @@ TEST_P(GpuFp8Model, BlockScalingOnTheDownProjectionFollowsTheCpuEmulation) {
   expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{4, 0, 0xF, coda::parse_fp8_scaling("mlp_down")});
 }
 
+// The LM head in FP8 (fp8_linears with lm_head) as well: its forward, dgrad and weight gradient (into the tied
+// embedding where the model ties it) follow the emulation, and its three amax histories too; with block
+// scales on it as on every linear.
+TEST_P(GpuFp8Model, TheLmHeadInFp8FollowsTheCpuEmulation) {
+  SKIP_WITHOUT_GPU();
+  const unsigned with_head = 0xFu | 1u << coda::kFp8Head;
+  expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{4, 0, with_head});
+  expect_steps_follow_the_emulation(GetParam(), coda::Fp8Recipe{16, 0, with_head, with_head});
+}
+
 // The scaling state read after three steps, loaded with the weights and moments into a fresh backend,
 // continues exactly (T = 64: one key block, so the unfused step is deterministic); an evaluation between
 // steps changes neither the state nor the next step.
@@ -192,7 +202,7 @@ TEST_P(GpuFp8Model, ScalingStateResumesExactlyAndEvaluationLeavesIt) {
   EXPECT_TRUE(a->read_fp8_state().empty()) << "no state before the first step closes";
   for (int step = 0; step < 3; ++step) train_step(*a, data, step, B, T);
   const coda::Fp8ScalingState state = a->read_fp8_state();
-  ASSERT_EQ(state.amax.size(), static_cast<size_t>(coda::fp8_tensor_count(c.n_layer)) * kRecipe.history);
+  ASSERT_EQ(state.amax.size(), static_cast<size_t>(coda::Fp8Tensors(c.n_layer, kRecipe).count()) * kRecipe.history);
   a->forward_loss(data.tokens[4].data(), data.targets[4].data(), B, T);
   EXPECT_EQ(a->read_fp8_state().amax, state.amax) << "an evaluation recorded amax";
 
