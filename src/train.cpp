@@ -325,8 +325,10 @@ void load_fp8_state(Backend& backend, const RunConfig& config, const Fp8ScalingS
   try {
     backend.load_fp8_state(state);
   } catch (const std::invalid_argument& e) {
-    throw std::runtime_error("resume " + dir + ": " + e.what() + " (resume with fp8_history = " +
-                             std::to_string(state.history) + ")");
+    const std::string hint = state.history != config.fp8_history
+                                 ? " (resume with fp8_history = " + std::to_string(state.history) + ")"
+                                 : "";
+    throw std::runtime_error("resume " + dir + ": " + e.what() + hint);
   }
 }
 }  // namespace

@@ -262,8 +262,8 @@ TEST_F(Training, OneSeedGivesIdenticalRunsAndAnotherSeedDoesNot) {
 }
 
 // Both architectures in bf16, and Llama in fp8, whose checkpoint carries the amax histories that the next
-// steps' scales come from; that checkpoint resumed with another fp8_history is refused, with block scaling
-// it continues without them.
+// steps' scales come from; that checkpoint resumed with another fp8_history, or with the LM head added to
+// the FP8 linears, is refused with the reason; with block scaling it continues without them.
 TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
   for (const auto& [arch, precision] : {std::pair{coda::Arch::GPT2, "bf16"}, std::pair{coda::Arch::Llama, "bf16"},
                                         std::pair{coda::Arch::Llama, "fp8"}}) {
@@ -301,8 +301,18 @@ TEST_F(Training, ResumeReproducesTheUninterruptedRunExactly) {
     EXPECT_EQ(a.state.fp8.amax, b.state.fp8.amax) << name;
     EXPECT_EQ(a.state.fp8.empty(), c.precision == "bf16") << name;
     if (c.precision == "fp8") {
-      resumed_config.fp8_history = 8;
       resumed_config.steps = 14;
+      resumed_config.fp8_linears = c.fp8_linears + ",lm_head";  // a state with the head's tensors too
+      try {
+        coda::train(resumed_config);
+        ADD_FAILURE() << "a resume that adds the LM head to the FP8 linears was accepted";
+      } catch (const std::runtime_error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("lm_head"), std::string::npos) << what;
+        EXPECT_EQ(what.find("resume with fp8_history"), std::string::npos) << "the history is not the reason: " << what;
+      }
+      resumed_config.fp8_linears = c.fp8_linears;
+      resumed_config.fp8_history = 8;
       try {
         coda::train(resumed_config);
         ADD_FAILURE() << "a resume with another fp8_history was accepted";
