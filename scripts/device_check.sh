@@ -2,8 +2,8 @@
 # The GPU check, in one go on a machine with an NVIDIA Hopper GPU: build with all cores (benchmarks and
 # every GEMM tile on), the GPU tests (also under mpirun -np 1), `coda bench` and the CODA_PROFILE=1 kernel
 # profile (with the fusion bound) of both modes on gpt2-124m, llama3.2-1b and qwen2.5-0.5b (the bench with
-# each mode's deterministic variant, the FP8 unfused mode with per-tensor and with block scales, and the coda
-# mode with CODA_BARE_GEMMS=handwritten),
+# each mode's deterministic variant, the FP8 unfused mode with per-tensor, block and mixed scales and with the
+# LM head in FP8 too, and the coda mode with CODA_BARE_GEMMS=handwritten),
 # a ZeRO-1 run against the plain one, tiny-qwen2 trained in both modes,
 # tiny-llama trained in bf16 and fp8, the FP8 GEMMs against cuBLASLt's, and `coda train` of gpt2-124m
 # against its bench step; then a summary table (the last output lines).
@@ -65,7 +65,7 @@ if [[ -n "${CODA_CHECK_PROGRAMS:-}" ]]; then
   grep -E '^\| (program|gpt2|llama)' "$logs/bench_programs.log"
 fi
 
-bench() {  # name config B T FP8_SCALINGS (the fp8 recipes timed beside per-tensor scaling)
+bench() {  # name config B T FP8_RECIPES (timed beside per-tensor scaling: an fp8_scaling, "+head" for the LM head too)
   echo "== coda bench $1 (B=$3, T=$4)"
   timed() {  # log name, config, B, T, then more flags: 30 timed steps, the JSON beside the log
     local out=$1 config=$2 batch=$3 seq=$4
@@ -75,8 +75,11 @@ bench() {  # name config B T FP8_SCALINGS (the fp8 recipes timed beside per-tens
   }
   timed "bench_$1" "$2" "$3" "$4" --deterministic
   timed "bench_$1_fp8" "$2" "$3" "$4" --kernels unfused --precision fp8
-  for scaling in $5; do
-    timed "bench_$1_fp8_$scaling" "$2" "$3" "$4" --kernels unfused --precision fp8 --fp8_scaling "$scaling"
+  for recipe in $5; do
+    local scaling=${recipe%+head} linears=qkv,attn_proj,mlp_up,mlp_down
+    [[ $recipe == *+head ]] && linears+=,lm_head
+    timed "bench_$1_fp8_$recipe" "$2" "$3" "$4" --kernels unfused --precision fp8 --fp8_scaling "$scaling" \
+      --fp8_linears "$linears"
   done
   CODA_BARE_GEMMS=handwritten timed "bench_$1_bare_handwritten" "$2" "$3" "$4" --kernels coda
   for mode in coda unfused; do
@@ -84,8 +87,8 @@ bench() {  # name config B T FP8_SCALINGS (the fp8 recipes timed beside per-tens
       --energy_seconds 0 --kernels $mode >"$logs/profile_$1_$mode.log" 2>&1 || status=1
   done
 }
-bench gpt2-124m configs/gpt2-124m.toml 32 1024 block
-bench llama3.2-1b configs/llama3.2-1b.toml 8 2048 "block mlp_down"
+bench gpt2-124m configs/gpt2-124m.toml 32 1024 "block tensor+head"
+bench llama3.2-1b configs/llama3.2-1b.toml 8 2048 "block mlp_down mlp_down+head"
 bench qwen2.5-0.5b configs/qwen2.5-0.5b.toml 16 2048 block
 
 echo "== ZeRO-1 training run against the plain one (tiny-gpt2, 40 steps, mpirun -np 1)"

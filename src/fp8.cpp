@@ -108,8 +108,9 @@ unsigned parse_fp8_scaling(const std::string& value) {
 }
 
 std::string Fp8Recipe::name() const {
-  if (!any_block()) return "fp8";
-  if (!any_tensor()) return "fp8-block";
+  const std::string head = covers(kFp8Head) ? "-head" : "";
+  if (!any_block()) return "fp8" + head;
+  if (!any_tensor()) return "fp8-block" + head;
   std::string name = "fp8-block";
   char separator = '-';
   for (int linear = 0; linear <= kFp8Head; ++linear)
@@ -118,7 +119,7 @@ std::string Fp8Recipe::name() const {
       name += fp8_linear_name(linear);
       separator = '+';
     }
-  return name;
+  return name + head;
 }
 
 float fp8_block_scale(float amax, Fp8Format format) {

@@ -51,7 +51,8 @@ struct Fp8Recipe {
   bool any_block() const { return (linears & block_linears) != 0; }
   bool any_tensor() const { return (linears & ~block_linears) != 0; }
   // In backend and mode names: "fp8" (per-tensor scales), "fp8-block" (block scales on every FP8 linear),
-  // "fp8-block-mlp_down" (block scales on those linears, joined by '+').
+  // "fp8-block-mlp_down" (block scales on those linears, joined by '+'); "-head" after it where the LM head
+  // is one of the FP8 linears ("fp8-head", "fp8-block-mlp_down-head").
   std::string name() const;
 };
 

@@ -287,6 +287,10 @@ TEST(Fp8, ScalingNamesTheBlockScaledLinears) {
   const coda::Fp8Recipe block_on_the_covered{16, 0, 0x8, 0xF};  // "block" over a subset: every FP8 linear
   EXPECT_EQ(block_on_the_covered.name(), "fp8-block");
   EXPECT_FALSE(block_on_the_covered.block(0)) << "a linear in bf16 has no scaling";
+  const unsigned with_head = 0xFu | 1u << coda::kFp8Head;
+  EXPECT_EQ((coda::Fp8Recipe{16, 0, with_head}.name()), "fp8-head");
+  EXPECT_EQ((coda::Fp8Recipe{16, 0, with_head, 0x8}.name()), "fp8-block-mlp_down-head");
+  EXPECT_EQ((coda::Fp8Recipe{16, 0, with_head, with_head}.name()), "fp8-block-head");
 }
 
 }  // namespace
