@@ -224,27 +224,35 @@ TEST_P(GpuFp8Model, ScalingStateResumesExactlyAndEvaluationLeavesIt) {
   EXPECT_THROW(bf16->load_fp8_state(state), std::invalid_argument);
 }
 
-// One FP8 step of a fresh GPU backend from `params` with the loss scaled by grad_scale: the message with which
-// adamw_step refused it (empty if it did not) and the weights after it.
+// One FP8 step of a fresh GPU backend of fp8_model(arch), from its initial weights (seed 51) with
+// `poison` applied to them, the loss scaled by grad_scale: the weights it started from, the message with which
+// adamw_step refused the step (empty if it did not) and the weights after it.
 struct RefusedStep {
+  std::vector<float> before;
   std::string what;
-  std::vector<float> weights;
+  std::vector<float> after;
 };
-RefusedStep first_step(const coda::ModelConfig& c, const std::vector<float>& params, float grad_scale) {
+template <class Poison>
+RefusedStep first_step(coda::Arch arch, Poison poison, float grad_scale) {
+  const coda::ModelConfig c = fp8_model(arch);
+  const coda::ParamLayout layout = coda::make_param_layout(c);
   const int B = 2, T = 64;
+  RefusedStep step;
+  step.before.resize(layout.total);
+  coda::init_params(c, layout, 51, step.before.data());
+  poison(layout, step.before);
   const Batches data = random_batches(1, static_cast<size_t>(B) * T, c.vocab_size, 52);
   auto gpu = coda::make_cuda_backend(c, "unfused", B, T, {nullptr, kRecipe, false});
-  gpu->load_params(params.data());
+  gpu->load_params(step.before.data());
   gpu->zero_grad();
   gpu->forward_backward(data.tokens[0].data(), data.targets[0].data(), B, T, grad_scale);
-  RefusedStep step;
   try {
     gpu->adamw_step(kHyper, 1, 1.0f);
   } catch (const std::runtime_error& e) {
     step.what = e.what();
   }
-  step.weights.resize(params.size());
-  gpu->read_params(step.weights.data());
+  step.after.resize(layout.total);
+  gpu->read_params(step.after.data());
   return step;
 }
 
@@ -252,17 +260,15 @@ RefusedStep first_step(const coda::ModelConfig& c, const std::vector<float>& par
 // changes no weight.
 TEST_P(GpuFp8Model, ANonFiniteAmaxStopsTheStepBeforeTheWeightsChange) {
   SKIP_WITHOUT_GPU();
-  const coda::ModelConfig c = fp8_model(GetParam());
-  const coda::ParamLayout layout = coda::make_param_layout(c);
-  std::vector<float> params(layout.total);
-  coda::init_params(c, layout, 51, params.data());
-  const size_t poisoned = layout.layers[1].mlp_down_w + 5;
-  params[poisoned] = std::numeric_limits<float>::infinity();
-  RefusedStep step = first_step(c, params, 1.0f);
+  size_t poisoned = 0;
+  RefusedStep step = first_step(GetParam(), [&](const coda::ParamLayout& layout, std::vector<float>& params) {
+    poisoned = layout.layers[1].mlp_down_w + 5;
+    params[poisoned] = std::numeric_limits<float>::infinity();
+  }, 1.0f);
   EXPECT_NE(step.what.find("layer 1 mlp_down weight"), std::string::npos) << step.what;
   EXPECT_NE(step.what.find("step 1"), std::string::npos) << step.what;
-  params[poisoned] = step.weights[poisoned] = 0.0f;
-  EXPECT_EQ(step.weights, params);
+  step.before[poisoned] = step.after[poisoned] = 0.0f;
+  EXPECT_EQ(step.after, step.before);
 }
 
 // A gradient that is not finite (here from an infinite loss scale) reaches the amax of an output gradient's
@@ -270,14 +276,11 @@ TEST_P(GpuFp8Model, ANonFiniteAmaxStopsTheStepBeforeTheWeightsChange) {
 // same offset among the inputs.
 TEST_P(GpuFp8Model, ANonFiniteGradientIsNamedAsAnOutputGradient) {
   SKIP_WITHOUT_GPU();
-  const coda::ModelConfig c = fp8_model(GetParam());
-  const coda::ParamLayout layout = coda::make_param_layout(c);
-  std::vector<float> params(layout.total);
-  coda::init_params(c, layout, 53, params.data());
-  const RefusedStep step = first_step(c, params, std::numeric_limits<float>::infinity());
+  const RefusedStep step =
+      first_step(GetParam(), [](const coda::ParamLayout&, std::vector<float>&) {}, std::numeric_limits<float>::infinity());
   EXPECT_NE(step.what.find("output gradient"), std::string::npos) << step.what;
   EXPECT_NE(step.what.find("step 1"), std::string::npos) << step.what;
-  EXPECT_EQ(step.weights, params);
+  EXPECT_EQ(step.after, step.before);
 }
 
 INSTANTIATE_TEST_SUITE_P(Arch, GpuFp8Model,
