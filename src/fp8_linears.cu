@@ -195,12 +195,8 @@ void Fp8Linears::close_step(int step, Communicator* comm) {
   if (recipe_.any_tensor()) {
     if (comm != nullptr) state_.all_reduce_max(*comm, amax_, count_);
     CUDA_CHECK(cudaMemsetAsync(bad_, 0, sizeof(unsigned int), stream));
-    const int e4m3 = tensors_.e4m3_count();  // the inputs and weights come first (fp8.hpp)
-    unfused::fp8_update_scales(scales_, dequants_, history_, amax_, e4m3, recipe_.history, step, recipe_.margin,
-                               Fp8Format::E4M3, bad_, 0, stream);
-    unfused::fp8_update_scales(scales_ + e4m3, dequants_ + e4m3 * unfused::kFp8DequantSlot,
-                               history_ + static_cast<size_t>(e4m3) * recipe_.history, amax_ + e4m3, count_ - e4m3,
-                               recipe_.history, step, recipe_.margin, Fp8Format::E5M2, bad_, e4m3, stream);
+    unfused::fp8_update_scales(scales_, dequants_, history_, amax_, count_, tensors_.e4m3_count(), recipe_.history,
+                               step, recipe_.margin, bad_, stream);
     CUDA_CHECK(cudaMemcpyAsync(&host_bad_[0], bad_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream));
   }
   state_.wait_stream();

@@ -201,17 +201,18 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    update_scales_kernel(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
-                         int step, int margin, float largest, unsigned int* bad, int first) {
+    update_scales_kernel(float* scale, float* dequant, float* history, float* amax, int count, int e4m3_count,
+                         int history_len, int step, int margin, unsigned int* bad) {
   start_after_previous_kernel();
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= count) return;
   const float a = amax[t];
   amax[t] = 0.0f;
   if (!(a >= 0.0f) || isinf(a)) {
-    atomicCAS(bad, 0u, static_cast<unsigned int>(first + t + 1));
+    atomicCAS(bad, 0u, static_cast<unsigned int>(t + 1));
     return;
   }
+  const float largest = fp8_max_finite(t < e4m3_count ? Fp8Format::E4M3 : Fp8Format::E5M2);
   float* ring = history + static_cast<size_t>(t) * history_len;
   ring[step % history_len] = a;
   float m = 0.0f;
@@ -273,15 +274,15 @@ void quantize_fp8_blocks(const Fp8BlockCopies& out, const bf16* x, int rows, int
                 rows, cols, tile);
 }
 
-void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
-                       int step, int margin, Fp8Format format, unsigned int* bad, int first, cudaStream_t stream) {
-  require(count >= 0 && history_len >= 1 && step >= 0 && margin >= 0 && first >= 0,
-          "fp8_update_scales: count " + std::to_string(count) + ", history " + std::to_string(history_len) +
-              ", step " + std::to_string(step) + ", margin " + std::to_string(margin) + ", first " +
-              std::to_string(first));
+void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int e4m3_count,
+                       int history_len, int step, int margin, unsigned int* bad, cudaStream_t stream) {
+  require(count >= 0 && e4m3_count >= 0 && e4m3_count <= count && history_len >= 1 && step >= 0 && margin >= 0,
+          "fp8_update_scales: count " + std::to_string(count) + ", e4m3 " + std::to_string(e4m3_count) +
+              ", history " + std::to_string(history_len) + ", step " + std::to_string(step) + ", margin " +
+              std::to_string(margin));
   if (count == 0) return;
   launch_kernel(update_scales_kernel, after_previous(blocks_for(count, kThreads), kThreads), stream, scale, dequant,
-                history, amax, count, history_len, step, margin, fp8_max_finite(format), bad, first);
+                history, amax, count, e4m3_count, history_len, step, margin, bad);
 }
 
 }  // namespace coda::unfused

@@ -76,18 +76,18 @@ struct Fp8BlockCopies {
 void quantize_fp8_blocks(const Fp8BlockCopies& out, const bf16* x, int rows, int cols, bool tile, cudaStream_t stream);
 
 // Delayed scaling of `count` tensors in one launch (Fp8DelayedScale of src/fp8.hpp is the host
-// specification): each tensor's amax of this step (amax[t], gathered by its quantize calls; zeroed here for
-// the next step) goes into its history ring (history[t * history_len + step % history_len]), and scale[t] =
-// largest / (max of the history * 2^margin), dequant[t * kFp8DequantSlot] = 1 / scale[t], for the next step
-// (each factor in its own 16-byte slot: cuBLASLt refuses an FP8 GEMM whose scale pointer is not 16-byte
-// aligned, with CUBLAS_STATUS_NOT_SUPPORTED from cublasLtMatmul after its heuristic accepted the plan); a
-// history of zeros keeps the scale. A non-finite amax keeps the tensor's scale and history and sets *bad to
-// first + t + 1 (the first such tensor; `first` is the index of tensor 0 of this launch in the host's
-// numbering, so one flag serves launches over several ranges of one array), which the host reads with the
-// step's loss: no inf or NaN reaches a scale, and the report names the tensor.
+// specification), the first e4m3_count of them e4m3 and the rest e5m2 (the order of Fp8Tensors): each
+// tensor's amax of this step (amax[t], gathered by its quantize calls; zeroed here for the next step) goes
+// into its history ring (history[t * history_len + step % history_len]), and scale[t] = its format's largest
+// / (max of the history * 2^margin), dequant[t * kFp8DequantSlot] = 1 / scale[t], for the next step (each
+// factor in its own 16-byte slot: cuBLASLt refuses an FP8 GEMM whose scale pointer is not 16-byte aligned,
+// with CUBLAS_STATUS_NOT_SUPPORTED from cublasLtMatmul after its heuristic accepted the plan); a history of
+// zeros keeps the scale. A non-finite amax keeps the tensor's scale and history and sets *bad to t + 1 (the
+// first such tensor), which the host reads with the step's loss: no inf or NaN reaches a scale, and the
+// report names the tensor.
 constexpr int kFp8DequantSlot = 4;
-void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int history_len,
-                       int step, int margin, Fp8Format format, unsigned int* bad, int first, cudaStream_t stream);
+void fp8_update_scales(float* scale, float* dequant, float* history, float* amax, int count, int e4m3_count,
+                       int history_len, int step, int margin, unsigned int* bad, cudaStream_t stream);
 
 // ---- embedding (embedding.cu) --------------------------------------------------------------------------
 // x[b*T + t, :] = wte[tokens[b*T + t], :] (+ wpe[t, :] when wpe is not null)

@@ -111,15 +111,17 @@ TEST(GpuFp8, AmaxIsNanWhenTheTensorHoldsANan) {
     EXPECT_TRUE(std::isnan(run(x, 64, 64, transposed, 1.0f, Fp8Format::E4M3).amax)) << transposed;
 }
 
-// Delayed scaling on the device, three tensors over six steps, against the host's Fp8DelayedScale: the
-// same scales bit for bit; a NaN amax of tensor 1 at step 3 leaves its scale and names it in *bad, counted
-// from the launch's first index (here the tensors are 5, 6, 7 of a larger array).
+// Delayed scaling on the device, three tensors over six steps (two e4m3, then one e5m2, in one launch),
+// against the host's Fp8DelayedScale: the same scales bit for bit; a NaN amax of tensor 1 at step 3 and of
+// the e5m2 tensor 2 at step 4 leaves its scale and names it in *bad by its index in the whole array.
 TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
   SKIP_WITHOUT_GPU();
-  const int count = 3, history = 4, margin = 1, steps = 6, first = 5;
+  const int count = 3, e4m3_count = 2, history = 4, margin = 1, steps = 6;
   const float amax[steps][count] = {{2.0f, 0.5f, 0.0f}, {8.0f, 0.25f, 0.0f}, {1.0f, 3.0f, 7.0f},
-                                    {0.5f, NAN, 1.0f},  {0.1f, 0.1f, 0.1f},  {0.2f, 0.3f, 0.4f}};
-  std::vector<coda::Fp8DelayedScale> host(count, coda::Fp8DelayedScale(Fp8Format::E4M3, history, margin));
+                                    {0.5f, NAN, 1.0f},  {0.1f, 0.1f, NAN},   {0.2f, 0.3f, 0.4f}};
+  std::vector<coda::Fp8DelayedScale> host;
+  for (int t = 0; t < count; ++t)
+    host.emplace_back(t < e4m3_count ? Fp8Format::E4M3 : Fp8Format::E5M2, history, margin);
   float *scale = nullptr, *dequant = nullptr, *ring = nullptr, *damax = nullptr;
   unsigned int* bad = nullptr;
   CUDA_CHECK(cudaMalloc(&scale, count * sizeof(float)));
@@ -135,8 +137,8 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
   for (int step = 0; step < steps; ++step) {
     CUDA_CHECK(cudaMemset(bad, 0, sizeof(unsigned int)));
     CUDA_CHECK(cudaMemcpy(damax, amax[step], count * sizeof(float), cudaMemcpyHostToDevice));
-    coda::unfused::fp8_update_scales(scale, dequant, ring, damax, count, history, step, margin, Fp8Format::E4M3, bad,
-                                     first, nullptr);
+    coda::unfused::fp8_update_scales(scale, dequant, ring, damax, count, e4m3_count, history, step, margin, bad,
+                                     nullptr);
     float got[count], got_dequant[count * slot], left[count];
     unsigned int flagged = 0;
     CUDA_CHECK(cudaMemcpy(left, damax, sizeof(left), cudaMemcpyDeviceToHost));
@@ -149,7 +151,7 @@ TEST(GpuFp8, UpdateScalesFollowsTheHostDelayedScale) {
         host[t].record(amax[step][t], "tensor " + std::to_string(t));
         host[t].update(step);
       } catch (const std::runtime_error&) {
-        if (expected_flag == 0) expected_flag = first + t + 1;
+        if (expected_flag == 0) expected_flag = t + 1;
       }
       EXPECT_EQ(got[t], host[t].scale()) << "step " << step << " tensor " << t;
       EXPECT_EQ(got_dequant[t * slot], 1.0f / host[t].scale()) << "step " << step << " tensor " << t;
