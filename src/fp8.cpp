@@ -161,7 +161,8 @@ void check_fp8_state(const Fp8ScalingState& state, std::optional<int> history, c
         "fp8 scaling state holds " + std::to_string(state.amax.size()) + " amax values; a model of " +
         std::to_string(tensors.n_layer) + " layers " + (tensors.head ? "with" : "without") +
         " the LM head in fp8_linears has " + std::to_string(expected) + " (" + std::to_string(tensors.count()) +
-        " tensors x " + std::to_string(state.history) + " steps): the model differs, or lm_head is in one run's fp8_linears and not the other's");
+        " tensors x " + std::to_string(state.history) +
+        " steps): the model differs, or lm_head is in one run's fp8_linears and not the other's");
 }
 
 float fp8_round(float x, Fp8Format format) {
